@@ -1,0 +1,40 @@
+"""Core's own implementations of the firstresult hooks, registered ``trylast``.
+
+A family overrides any of them by answering the hook itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import hookimpl
+from .records import EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout
+
+
+@hookimpl(trylast=True)
+def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...]:
+    from .checkpoint import default_shard_set
+
+    found = default_shard_set(model.path)
+    return (found,) if found else ()
+
+
+@hookimpl(trylast=True)
+def plan_resources(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout: TensorLayout,
+                   tensors: Any) -> ResourcePlan:
+    from .planner import plan
+
+    return plan(model, request, geometry, layout, tensors)
+
+
+@hookimpl(trylast=True)
+def engine_path(model: ResolvedModel) -> Path | None:
+    from .builder import engine_for_family
+
+    return engine_for_family(model.family)
+
+
+@hookimpl(trylast=True)
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv()

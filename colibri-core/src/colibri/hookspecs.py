@@ -1,0 +1,162 @@
+"""The hooks a colibri family plugin implements.
+
+A family is one Python module registered under the entry-point group ``colibri.families``::
+
+    [project.entry-points."colibri.families"]
+    olmoe = "colibri_olmoe.plugin"
+
+Two kinds of hooks exist:
+
+* *Discovery hooks* (``describe_family``, ``detect_config``) are called on every installed family.
+* *Model hooks* (everything that takes ``model``) are called only on the family that claimed the model,
+  followed by core's own defaults (registered ``trylast``); for ``firstresult`` hooks the family's answer wins
+  and core's default applies when the family returns ``None`` or does not implement the hook.
+
+Every hook is documented with its signature in ``docs/hooks.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import pluggy
+
+from .records import (
+    Claim,
+    EngineEnv,
+    EngineSource,
+    FamilyDescriptor,
+    Geometry,
+    Limits,
+    PlanRequest,
+    ResolvedModel,
+    ResourcePlan,
+    ShardSet,
+    TensorLayout,
+)
+
+hookspec = pluggy.HookspecMarker("colibri")
+
+
+@hookspec
+def describe_family() -> FamilyDescriptor:
+    """Name the family and the model types it runs.
+
+    Called once per installed family (not firstresult); ``coli families`` lists the answers.
+
+    :returns: the family's :class:`~colibri.records.FamilyDescriptor`.
+    """
+
+
+@hookspec
+def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    """Claim a model directory.
+
+    Called on every installed family (not firstresult). Core collects all claims: none is an error naming the
+    ``model_type`` (or marker file) and the installed families; two or more is an error naming them and the
+    ``--family`` option that settles it.
+
+    :param model_dir: the checkpoint directory.
+    :param config: the parsed ``config.json``, or ``None`` when the directory has none (pipelines, for example,
+        keep ``model_index.json`` instead).
+    :returns: a :class:`~colibri.records.Claim` when this family runs the model, else ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+def model_geometry(model: ResolvedModel) -> Geometry | None:
+    """Describe the model's shape from its config, in every spelling real checkpoints use.
+
+    firstresult: the claiming family answers.
+
+    :param model: the resolved model.
+    :returns: its :class:`~colibri.records.Geometry`.
+    """
+
+
+@hookspec(firstresult=True)
+def tensor_layout(model: ResolvedModel) -> TensorLayout | None:
+    """Say which tensor names play which role (embeddings, norms, routers, each routed expert, the rest).
+
+    Derived from the config alone, so ``doctor --deep`` can report what is missing on disk.
+    firstresult: the claiming family answers.
+
+    :param model: the resolved model.
+    :returns: its :class:`~colibri.records.TensorLayout`.
+    """
+
+
+@hookspec(firstresult=True)
+def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...] | None:
+    """List the safetensors files that hold the model's weights.
+
+    firstresult: core's default finds ``model.safetensors.index.json`` or the ``*.safetensors`` files in the
+    model directory; multi-component families (diffusion pipelines) return one set per component.
+
+    :param model: the resolved model.
+    :returns: the shard sets, in load order.
+    """
+
+
+@hookspec(firstresult=True)
+def limits(model: ResolvedModel) -> Limits | None:
+    """State what the family's engine supports for this model (context, slots, dtypes, whether it exists).
+
+    firstresult: the claiming family answers.
+
+    :param model: the resolved model.
+    :returns: its :class:`~colibri.records.Limits`.
+    """
+
+
+@hookspec(firstresult=True)
+def plan_resources(
+    model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout: TensorLayout, tensors: Any
+) -> ResourcePlan | None:
+    """Place the model in RAM: dense weights, KV/state, reserve, and expert cache slots per layer.
+
+    firstresult: core's default planner (``colibri.planner``) applies unless the family knows better.
+
+    :param model: the resolved model.
+    :param request: the RAM budget, context and slots asked for.
+    :param geometry: the model's geometry (from ``model_geometry``).
+    :param layout: the model's tensor roles (from ``tensor_layout``).
+    :param tensors: the :class:`~colibri.checkpoint.TensorIndex` read from the shard headers.
+    :returns: the :class:`~colibri.records.ResourcePlan`.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_source() -> EngineSource | None:
+    """Name the C sources of the family's engine (compiled by core together with the shared runtime).
+
+    Called on one family's plugin only. firstresult.
+
+    :returns: an :class:`~colibri.records.EngineSource`, or ``None`` when the family has no engine yet.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_path(model: ResolvedModel) -> Path | None:
+    """Return the engine binary that runs this model.
+
+    firstresult: core's default builds (or finds in the build cache) the family's ``engine_source``. A family
+    that ships a prebuilt binary answers with its path.
+
+    :param model: the resolved model.
+    :returns: path to an executable engine.
+    """
+
+
+@hookspec(firstresult=True)
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv | None:
+    """Give the family-specific engine arguments and environment for this model and plan.
+
+    firstresult. Core itself passes the model directory, context, slots, cache capacity and threads; the family
+    adds what only it knows (typically the hyperparameters read from the config, as ``key=value``).
+
+    :param model: the resolved model.
+    :param plan: the resource plan the engine will run under.
+    :returns: an :class:`~colibri.records.EngineEnv`.
+    """

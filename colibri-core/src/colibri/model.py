@@ -1,0 +1,89 @@
+"""Resolving a model directory to the family that runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from . import plugins
+from .errors import ConfigError, FamilyError, ModelNotFoundError, UsageError
+from .records import Claim, ResolvedModel
+
+MODEL_ENV = "COLI_MODEL"
+
+
+def model_dir_from(option: str | os.PathLike | None) -> Path:
+    """The model directory from ``--model`` or ``COLI_MODEL``; never an invented default."""
+    value = option if option not in (None, "") else os.environ.get(MODEL_ENV)
+    if not value:
+        raise UsageError("no model given", f"pass --model DIR or set {MODEL_ENV}=DIR to a checkpoint directory")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: no such directory", "pass --model the checkpoint directory")
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path}: is a file, not a checkpoint directory",
+                                 "pass --model the directory that holds config.json")
+    return path
+
+
+def read_config(model_dir: Path) -> Mapping[str, Any] | None:
+    """The parsed ``config.json``, ``None`` when absent; a clear error when it is not a JSON object."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text", "restore config.json from the original checkpoint") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+                          "restore config.json from the original checkpoint") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level is not a JSON object", "restore config.json")
+    return MappingProxyType(data)
+
+
+def _installed_family_names() -> str:
+    names = [n for n, f in plugins.families().items() if not f.error]
+    return ", ".join(names) if names else "none"
+
+
+def collect_claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
+    pm = plugins.manager()
+    return [c for c in pm.hook.detect_config(model_dir=model_dir, config=config) if c is not None]
+
+
+def resolve_model(option: str | os.PathLike | None, family: str | None = None) -> ResolvedModel:
+    """Find the model directory, read its config, and settle which family runs it."""
+    model_dir = model_dir_from(option)
+    config = read_config(model_dir)
+    claims = collect_claims(model_dir, config)
+    if family:
+        if family not in plugins.families():
+            raise FamilyError(f"--family {family}: no such family installed",
+                              f"installed families: {_installed_family_names()}")
+        chosen = [c for c in claims if c.family == family]
+        if not chosen:
+            raise FamilyError(f"--family {family} does not claim {model_dir}",
+                              f"families that do: {', '.join(c.family for c in claims) or 'none'}")
+        claims = chosen[:1]
+    if not claims:
+        if config is None:
+            marker = "no config.json (and no marker file any family recognises)"
+            if not any(model_dir.glob("*.safetensors")) and not (model_dir / "model_index.json").exists():
+                raise ModelNotFoundError(f"{model_dir}: no config.json and no weights",
+                                         "point --model at a Hugging Face checkpoint directory")
+        else:
+            marker = f"model_type {config.get('model_type')!r}"
+        raise FamilyError(f"{model_dir / 'config.json'}: {marker} is not claimed by any installed family",
+                          f"installed families: {_installed_family_names()}; install the family package for it")
+    if len(claims) > 1:
+        names = " and ".join(f"{c.family}" for c in claims)
+        raise FamilyError(f"{model_dir}: claimed by {names}",
+                          f"choose one with --family {claims[0].family}")
+    claim = claims[0]
+    return ResolvedModel(path=model_dir, family=claim.family, model_type=claim.model_type,
+                         config=config if config is not None else MappingProxyType({}))

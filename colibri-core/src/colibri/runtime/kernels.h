@@ -1,0 +1,52 @@
+/* kernels.h: the numeric building blocks every colibri engine uses.
+ *
+ * Contract (tested in engines/tests): every SIMD path (AVX-512, AVX2) returns results bit-identical to the
+ * scalar path, and cb_matmul row n equals cb_matvec on row n bit for bit, whatever the thread count. That is
+ * what keeps "placement may change speed, never the tokens" true across machines, cache sizes and batching.
+ * It is achieved by fixing the floating-point summation order: 16 virtual lanes (element c goes to lane c % 16,
+ * accumulated with fmaf), a fixed pairwise reduction tree (lane i + lane i+8, then +4, +2, +1), then the tail
+ * elements in order with fmaf.
+ */
+#ifndef COLIBRI_KERNELS_H
+#define COLIBRI_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { CB_F32 = 0, CB_BF16 = 1, CB_F16 = 2 } cb_dtype;
+typedef enum { CB_ISA_SCALAR = 0, CB_ISA_AVX2 = 1, CB_ISA_AVX512 = 2 } cb_isa;
+
+/* Best ISA this CPU supports; cb_set_isa forces one (tests; COLIBRI_ISA=scalar|avx2|avx512 at init). */
+cb_isa cb_isa_detect(void);
+int cb_set_isa(cb_isa isa);          /* 0 on success, -1 if the CPU lacks it */
+cb_isa cb_get_isa(void);
+const char *cb_isa_name(cb_isa isa);
+
+/* Thread pool shared by all kernels. n_threads <= 0 means physical cores. Returns 0 or -1. */
+int cb_threads_init(int n_threads);
+int cb_threads_count(void);
+void cb_threads_shutdown(void);
+/* Run fn(ctx, i) for i in [0, n) across the pool; returns when all are done. */
+void cb_parallel_for(int n, void (*fn)(void *ctx, int i), void *ctx);
+
+size_t cb_dtype_size(cb_dtype dt);
+float cb_bf16_to_f32(uint16_t h);
+float cb_f16_to_f32(uint16_t h);
+uint16_t cb_f32_to_bf16(float f);    /* round to nearest even, as torch does */
+
+/* Dot product of x (f32) with one weight row of dtype dt, in the fixed lane order above. */
+float cb_dot(const void *w_row, cb_dtype dt, const float *x, int cols);
+/* y[r] = dot(W[r,:], x) for r < rows; W row-major, `cols` elements per row. Parallel over rows. */
+void cb_matvec(float *y, const void *W, cb_dtype dt, const float *x, int rows, int cols);
+/* Y[i*rows + r] = dot(W[r,:], X[i*cols:]) for i < n. Bit-identical to n calls of cb_matvec. */
+void cb_matmul(float *Y, const void *W, cb_dtype dt, const float *X, int n, int rows, int cols);
+
+void cb_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
+void cb_softmax(float *x, int n);
+void cb_silu_mul(float *gate, const float *up, int n);    /* gate[i] = silu(gate[i]) * up[i] */
+/* RoPE on n_heads heads of head_dim, rotating the first rot_dim dims of each head at position pos.
+ * neox: pairs (i, i + rot_dim/2); interleaved: pairs (2i, 2i+1). inv_freq has rot_dim/2 entries. */
+void cb_rope_neox(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq);
+void cb_rope_interleaved(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq);
+
+#endif
