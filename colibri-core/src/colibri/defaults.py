@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from . import hookimpl
-from .records import EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout
+from .records import (
+    ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
+)
 
 
 @hookimpl(trylast=True)
@@ -38,3 +40,19 @@ def engine_path(model: ResolvedModel) -> Path | None:
 @hookimpl(trylast=True)
 def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
     return EngineEnv()
+
+
+@hookimpl(trylast=True)
+def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
+    from . import plugins
+    from .convert.spec import spec_from_layout
+
+    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    return spec_from_layout(layout) if layout is not None else None
+
+
+@hookimpl(trylast=True)
+def load_tokenizer(model: ResolvedModel) -> Any:
+    from .tokenizer import load_tokenizer_dir
+
+    return load_tokenizer_dir(model.path, model.config)

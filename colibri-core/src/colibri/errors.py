@@ -47,3 +47,7 @@ class EngineError(ColibriError):
 
 class BuildError(EngineError):
     """Compiling an engine failed (or no compiler is installed)."""
+
+
+class InsufficientMemoryError(ColibriError):
+    """The RAM budget cannot hold the dense weights, KV/state, reserve and one expert slot per MoE layer."""

@@ -24,6 +24,7 @@ import pluggy
 
 from .records import (
     Claim,
+    ConverterSpec,
     EngineEnv,
     EngineSource,
     FamilyDescriptor,
@@ -159,4 +160,30 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv | None:
     :param model: the resolved model.
     :param plan: the resource plan the engine will run under.
     :returns: an :class:`~colibri.records.EngineEnv`.
+    """
+
+
+@hookspec(firstresult=True)
+def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
+    """Say how ``coli convert`` may quantize this model: expert and dense schemes, and the dense matrices.
+
+    firstresult: core's default derives a spec from ``tensor_layout`` (experts from the layout, dense matrices =
+    embeddings, LM head and ``required`` tensors); it answers ``None`` — no converter, ``coli convert`` refuses —
+    when the family has no layout or no routed experts.
+
+    :param model: the resolved model.
+    :returns: a :class:`~colibri.records.ConverterSpec`, or ``None`` when the family cannot be converted.
+    """
+
+
+@hookspec(firstresult=True)
+def load_tokenizer(model: ResolvedModel) -> Any:
+    """Load the model's tokenizer, special tokens, stop ids and chat template.
+
+    firstresult: core's default reads ``tokenizer.json`` (with the ``tokenizers`` library), ``tokenizer_config.json``,
+    ``special_tokens_map.json``, ``generation_config.json`` and the chat template files of the model directory. A
+    family whose checkpoints keep their tokenizer or prompt format elsewhere answers itself.
+
+    :param model: the resolved model.
+    :returns: a :class:`colibri.tokenizer.TextTokenizer`.
     """

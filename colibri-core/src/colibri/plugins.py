@@ -94,6 +94,12 @@ def reset() -> None:
     _manager, _families = None, {}
 
 
+def register(plugin: Any, name: str, package: str = "(registered in-process)", version: str = "") -> None:
+    """Register a family plugin object directly, as if an entry point had loaded it (tests, embedding apps)."""
+    manager().register(plugin, name=name)
+    _families[name] = LoadedFamily(name, package, version, plugin=plugin)
+
+
 def family_hook(family: str, name: str) -> Any:
     """A hook caller restricted to one family's plugin plus core's defaults.
 

@@ -182,3 +182,17 @@ class EngineEnv:
 
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class ConverterSpec:
+    """What ``coli convert`` may do to a family's checkpoint (returned by ``converter_spec``).
+
+    Routed experts come from ``tensor_layout``; ``dense_matrices`` names the other 2-D weights that ``--dense``
+    applies to. Routers, norms, biases and every other float tensor of the layout are stored as F32; tensors the
+    layout does not mention are copied unchanged.
+    """
+
+    expert_schemes: tuple[str, ...] = ("int8", "int4")
+    dense_schemes: tuple[str, ...] = ("bf16", "int8", "int4")
+    dense_matrices: tuple[str, ...] = ()

@@ -1,0 +1,188 @@
+"""Building family engines on first use.
+
+An engine is the shared C runtime (every ``*.c`` in ``colibri/runtime``) compiled together with the family's own
+sources (its ``engine_source`` hook). Binaries live in ``<cache>/engines/<name>-<hash>/<name>``, where the hash
+covers every source and header byte, the flags, and the compiler's ``--version``: editing a kernel, upgrading the
+compiler or changing a flag builds a new binary, and an unchanged tree never rebuilds.
+
+Builds are atomic (compile to a temporary name, then rename) and serialised by an ``flock`` per engine name, so
+two ``coli run`` started together build once and never see a half-written binary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import plugins
+from .cachedir import cache_root, file_lock
+from .compiler import CFLAGS, LDLIBS, Compiler, find_compiler
+from .errors import BuildError, EngineError
+from .records import EngineSource
+
+RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
+HASH_CHARS = 16
+ERROR_LINES_SHOWN = 3
+
+
+def engines_dir() -> Path:
+    return cache_root() / "engines"
+
+
+def runtime_sources() -> tuple[Path, ...]:
+    return tuple(sorted(RUNTIME_DIR.glob("*.c")))
+
+
+def _headers_in(dirs: list[Path]) -> list[Path]:
+    found: set[Path] = set()
+    for d in dirs:
+        if d.is_dir():
+            found.update(p.resolve() for p in d.glob("*.h"))
+    return sorted(found)
+
+
+def _inputs(source: EngineSource) -> tuple[list[Path], list[Path], list[Path]]:
+    """(sources to compile, headers that can affect them, include dirs), in a stable order."""
+    sources = [*runtime_sources(), *(Path(s) for s in source.sources)]
+    include_dirs = [RUNTIME_DIR, *(Path(d) for d in source.include_dirs)]
+    headers = _headers_in(include_dirs + [s.parent for s in source.sources])
+    return sources, headers, include_dirs
+
+
+def compile_command(source: EngineSource, compiler: Compiler, output: Path) -> list[str]:
+    sources, _, include_dirs = _inputs(source)
+    return [
+        *compiler.argv, *CFLAGS,
+        *(f"-I{d}" for d in include_dirs),
+        *(f"-D{d}" for d in source.defines),
+        *(str(s) for s in sources),
+        "-o", str(output), *LDLIBS,
+    ]
+
+
+def cache_key(source: EngineSource, compiler: Compiler) -> str:
+    """Hash of everything that decides the binary's bytes (paths are deliberately left out: content is what counts)."""
+    sources, headers, _ = _inputs(source)
+    digest = hashlib.sha256()
+
+    def feed(label: str, data: bytes) -> None:
+        digest.update(label.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    feed("name", source.name.encode())
+    for path in sources:
+        if not path.is_file():
+            raise BuildError(f"{path}: engine source of {source.name} is missing",
+                             "reinstall the family package that ships it")
+        feed(f"src:{path.name}", path.read_bytes())
+    for path in headers:
+        feed(f"hdr:{path.name}", path.read_bytes())
+    feed("cflags", " ".join(CFLAGS).encode())
+    feed("ldlibs", " ".join(LDLIBS).encode())
+    feed("defines", " ".join(source.defines).encode())
+    feed("compiler", " ".join(compiler.argv).encode())
+    feed("version", compiler.version.encode())
+    return digest.hexdigest()[:HASH_CHARS]
+
+
+def binary_path(source: EngineSource, compiler: Compiler) -> Path:
+    return engines_dir() / f"{source.name}-{cache_key(source, compiler)}" / source.name
+
+
+def family_engine_source(family: str) -> EngineSource | None:
+    """The family's ``engine_source`` answer, or None when it has no engine (yet)."""
+    if family not in plugins.families() and family not in dict(plugins.manager().list_name_plugin()):
+        raise EngineError(f"family {family!r} is not installed", "coli families lists the installed ones")
+    return plugins.family_hook(family, "engine_source")()
+
+
+def families_with_engines() -> list[str]:
+    return [name for name, fam in plugins.families().items() if not fam.error and family_engine_source(name)]
+
+
+def _first_error_lines(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)] or lines
+    return " | ".join(errors[:ERROR_LINES_SHOWN]) or "no output"
+
+
+def _compile(source: EngineSource, compiler: Compiler, final: Path) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{source.name}-", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        cmd = compile_command(source, compiler, tmp)
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:
+            raise BuildError(f"cannot run {compiler.argv[0]} ({exc.strerror})",
+                             "install a C compiler (apt-get install gcc) or set COLIBRI_CC to one") from None
+        if result.returncode != 0:
+            raise BuildError(f"building {source.name} failed: {_first_error_lines(result.stderr)}",
+                             f"compiler: {' '.join(compiler.argv)} ({compiler.origin})")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _spinner(message: str):
+    """A rich spinner on a terminal; nothing otherwise (logs and pipes stay clean)."""
+    from contextlib import nullcontext
+
+    if not sys.stderr.isatty():
+        return nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message, spinner="dots")
+
+
+def build(source: EngineSource, force: bool = False) -> Path:
+    """Compile ``source`` with the runtime unless an identical build is cached; returns the binary."""
+    compiler = find_compiler()
+    final = binary_path(source, compiler)
+    if final.is_file() and not force:
+        return final
+    with file_lock(engines_dir() / f".{source.name}.lock"):
+        # Another process may have finished the same build while we waited for the lock.
+        if final.is_file() and not force:
+            return final
+        with _spinner(f"building engine {source.name} (first use, cached afterwards)"):
+            _compile(source, compiler, final)
+    return final
+
+
+def build_family(family: str, force: bool = False) -> Path:
+    source = family_engine_source(family)
+    if source is None:
+        raise EngineError(f"family {family!r} has no engine to build",
+                          "coli families shows which families have an engine")
+    return build(source, force=force)
+
+
+def engine_for_family(family: str) -> Path:
+    """The family's engine binary, built now if this is its first use."""
+    return build_family(family)
+
+
+def engine_status(family: str) -> tuple[bool, Path | None, str]:
+    """(built, binary path or None, reason) without building anything."""
+    try:
+        source = family_engine_source(family)
+    except EngineError as exc:
+        return False, None, exc.message
+    if source is None:
+        return False, None, "the family ships no engine"
+    try:
+        compiler = find_compiler()
+        path = binary_path(source, compiler)
+    except BuildError as exc:
+        return False, None, exc.one_line()
+    if path.is_file():
+        return True, path, "built"
+    return False, None, "not built yet: builds on first use (or run `coli build`)"

@@ -1,0 +1,108 @@
+"""A conversation with one loaded engine: every turn re-renders the whole history with the checkpoint's template
+and submits it to the same slot, so the engine's prefix reuse prefills only what is new.
+
+That only works if re-rendering is byte-stable, which is why templates are rendered exactly as transformers does.
+When the history outgrows the context, the oldest exchanges are dropped (the system message stays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .engine import Engine
+from .errors import UsageError
+from .prompt import NO_TEMPLATE_NOTICE, Sampling
+from .streaming import Reply, stream_reply
+from .tokenizer import TextTokenizer
+
+SLOT = 0
+MIN_REPLY_ROOM = 64        # a turn is only worth submitting if at least this many tokens can be generated
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    done: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatSession:
+    engine: Engine
+    tok: TextTokenizer
+    sampling: Sampling
+    max_tokens: int
+    ctx: int
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    turns: list[TurnStats] = field(default_factory=list)
+    dropped_messages: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset_history()
+
+    @property
+    def uses_template(self) -> bool:
+        return self.tok.has_chat_template
+
+    @property
+    def notice(self) -> str:
+        return "" if self.uses_template else NO_TEMPLATE_NOTICE
+
+    def reset_history(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reset(self) -> None:
+        """A new conversation: forget the history and the slot's cached prefix."""
+        self.reset_history()
+        self.turns.clear()
+        self.engine.reset(SLOT)
+
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.uses_template:
+            return self.tok.encode_chat(messages, add_generation_prompt=True)
+        # Plain text: the turns one after another, so the model simply continues the transcript.
+        return self.tok.encode("".join(m["content"] + "\n" for m in messages))
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The history rendered and tokenized, with the oldest exchanges dropped until a reply fits."""
+        room = min(self.max_tokens, MIN_REPLY_ROOM)
+        ids = self._encode(messages)
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        while len(ids) + room > self.ctx and len(messages) - first > 1:
+            # Drop the oldest message after the system prompt (and its reply, to keep roles alternating).
+            drop = 2 if len(messages) - first > 2 else 1
+            del messages[first:first + drop]
+            self.dropped_messages += drop
+            ids = self._encode(messages)
+        if len(ids) + 1 > self.ctx:
+            raise UsageError(f"the message is {len(ids)} tokens with the template; --ctx {self.ctx} cannot hold it",
+                             "send a shorter message or restart with a larger --ctx")
+        return ids
+
+    def turn(self, text: str, write: Callable[[str], None]) -> Reply:
+        """Send one user message; the assistant's reply is streamed through ``write`` and kept in the history."""
+        candidate = [*self.messages, {"role": "user", "content": text}]
+        ids = self.prompt_ids(candidate)
+        budget = max(1, min(self.max_tokens, self.ctx - len(ids)))
+        reply = stream_reply(self.engine, self.tok, ids, write=write, slot=SLOT, max_tokens=budget,
+                             stop=self.tok.stop_ids, **self.sampling.as_request())
+        candidate.append({"role": "assistant", "content": reply.text})
+        self.messages = candidate
+        s = reply.stats
+        self.turns.append(TurnStats(prompt_tokens=len(ids), reused_tokens=int(reply.accept.get("reused_tokens", 0)),
+                                    prefilled_tokens=int(s.get("prefilled_tokens", len(ids))),
+                                    generated_tokens=int(s.get("generated_tokens", len(reply.tokens))), done=s))
+        return reply
+
+    def totals(self) -> TurnStats:
+        total = TurnStats()
+        for t in self.turns:
+            total.prompt_tokens += t.prompt_tokens
+            total.reused_tokens += t.reused_tokens
+            total.prefilled_tokens += t.prefilled_tokens
+            total.generated_tokens += t.generated_tokens
+        return total

@@ -1,0 +1,19 @@
+"""The ``coli`` command line.
+
+Each command lives in a small module that registers itself on :data:`app` when imported; adding a command is
+one import line below.
+"""
+
+from __future__ import annotations
+
+from ._app import app, main
+
+from . import families  # noqa: E402,F401  (coli families)
+from . import inspect  # noqa: E402,F401  (coli info, plan, doctor)
+from . import convert  # noqa: E402,F401  (coli convert)
+from . import serve  # noqa: E402,F401  (coli serve)
+from . import build  # noqa: E402,F401  (coli build)
+from . import run  # noqa: E402,F401  (coli run)
+from . import chat  # noqa: E402,F401  (coli chat)
+
+__all__ = ["app", "main"]

@@ -1,0 +1,78 @@
+"""The typer application, its global options, and the one place user errors become one line and exit 1."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from .. import __version__
+from ..console import print_error
+from ..errors import ColibriError
+
+DEBUG_ENV = "COLI_DEBUG"
+
+
+class ColiGroup(TyperGroup):
+    """Turns a :class:`ColibriError` from any command into ``error: <message> (<hint>)`` and exit code 1.
+
+    Doing it here (not in ``main``) makes typer's test runner and the installed ``coli`` script behave the same.
+    ``--debug`` (or ``COLI_DEBUG=1``) prints the traceback as well.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except ColibriError as exc:
+            if _debug(ctx):
+                traceback.print_exc()
+            print_error(exc.one_line())
+            raise typer.Exit(exc.exit_code) from None
+        except Exception as exc:  # a bug in colibri or in a family plugin: still one line unless --debug
+            if _debug(ctx):
+                traceback.print_exc()
+            first = (str(exc).splitlines() or [""])[0]
+            print_error(f"internal error: {type(exc).__name__}: {first} "
+                        "(rerun with --debug for the traceback and report it)")
+            raise typer.Exit(1) from None
+
+
+def _debug(ctx: click.Context) -> bool:
+    return bool(ctx.params.get("debug")) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+app = typer.Typer(
+    cls=ColiGroup,
+    name="coli",
+    help="colibri: run Mixture-of-Experts models larger than RAM by streaming routed experts from disk.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"coli (colibri-core) {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+                                           help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help=f"Show tracebacks for errors (also {DEBUG_ENV}=1)."),
+) -> None:
+    """colibri: tiny engine, immense model."""
+
+
+def main() -> None:
+    """Entry point of the ``coli`` script."""
+    app(prog_name="coli")

@@ -1,0 +1,139 @@
+"""``coli chat``: an interactive conversation with one engine loaded once."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import typer
+
+from ..console import print_error, print_warning
+from ..errors import ColibriError
+from ..model import resolve_model
+from ._app import app
+from .options import FamilyOption, ModelOption
+
+DEFAULT_MAX_TOKENS = 1024
+HELP_TEXT = ('commands: /reset (new conversation), /stats (token reuse and speed), /exit; '
+             'end a line with \\ to continue it, or wrap several lines in """; Ctrl-C stops a reply')
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _engine_summary(stats: dict[str, Any]) -> str:
+    """The engine's cumulative counters on one line (per-layer lists summed)."""
+    from ..console import human_bytes
+
+    parts = []
+    for key, value in stats.items():
+        if key == "ev":
+            continue
+        if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            value = sum(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"{key} {human_bytes(value) if 'bytes' in key else value}")
+    return ", ".join(parts)
+
+
+def stats_report(session, engine_stats: dict[str, Any] | None) -> str:
+    from ..streaming import stats_line
+
+    if not session.turns:
+        lines = ["no turns yet"]
+    else:
+        last, total = session.turns[-1], session.totals()
+        lines = [f"last turn: {last.prompt_tokens} prompt tokens = {last.reused_tokens} reused + "
+                 f"{last.prefilled_tokens} prefilled; {last.generated_tokens} generated",
+                 f"  {stats_line(last.done, {'reused_tokens': last.reused_tokens})}",
+                 f"conversation: {len(session.turns)} turns, {total.prefilled_tokens} tokens prefilled, "
+                 f"{total.reused_tokens} reused from the cache, {total.generated_tokens} generated"]
+        if session.dropped_messages:
+            lines.append(f"  {session.dropped_messages} oldest messages dropped to fit --ctx {session.ctx}")
+    if engine_stats:
+        lines.append(f"engine: {_engine_summary(engine_stats)}")
+    return "\n".join(lines)
+
+
+@app.command("chat")
+def chat_command(
+    model: Optional[str] = ModelOption,
+    family: Optional[str] = FamilyOption,
+    system: Optional[str] = typer.Option(None, "--system", help="A system message to start the conversation."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", help="Tokens per reply at most."),
+    temp: Optional[float] = typer.Option(None, "--temp", help="Temperature; 0 = greedy (default: the "
+                                         "checkpoint's generation_config.json)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the K most likely tokens (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: random)."),
+    ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB."),
+    cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
+) -> None:
+    """Chat with a model: the engine loads once; each turn reuses the cached prefix of the conversation."""
+    from .. import launch
+    from ..cachedir import cache_root
+    from ..chat_input import LineSource, read_message
+    from ..chat_session import ChatSession
+    from ..inventory import family_answer
+    from ..prompt import choose_sampling
+    from ..streaming import stats_line
+
+    if max_tokens < 1:
+        raise ColibriError(f"--max-tokens {max_tokens}: must be at least 1")
+    resolved = resolve_model(model, family)
+    tok = family_answer(resolved, "load_tokenizer")
+    sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
+
+    with launch.start(spec) as engine:
+        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system)
+        if session.notice:
+            print_warning(session.notice)
+        if interactive:
+            sys.stderr.write(f"{resolved.path.name} ({resolved.family}) ready. {HELP_TEXT}\n")
+        try:
+            while True:
+                try:
+                    text = read_message(source.read)
+                except KeyboardInterrupt:
+                    _write("\n")
+                    continue
+                except EOFError:
+                    if interactive:
+                        _write("\n")
+                    break
+                command = text.strip()
+                if not command:
+                    continue
+                if command in ("/exit", "/quit"):
+                    break
+                if command == "/reset":
+                    session.reset()
+                    _write("(conversation reset)\n")
+                    continue
+                if command == "/stats":
+                    _write(stats_report(session, engine.stats()) + "\n")
+                    continue
+                if command in ("/help", "/?"):
+                    _write(HELP_TEXT + "\n")
+                    continue
+                try:
+                    reply = session.turn(text, _write)
+                except ColibriError as exc:
+                    if not engine.alive:
+                        raise
+                    print_error(exc.one_line())
+                    continue
+                _write("\n")
+                if reply.interrupted:
+                    _write("(reply stopped)\n")
+                if interactive:
+                    sys.stderr.write(f"\x1b[2m{stats_line(reply.stats, reply.accept)}\x1b[0m\n")
+        finally:
+            source.save_history()

@@ -1,0 +1,77 @@
+"""``coli convert``: quantize a checkpoint's routed experts (and optionally its dense weights) into a container."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..console import human_bytes, print_pairs, stdout
+from ..model import resolve_model
+from ._app import app
+from .options import FamilyOption, ModelOption
+
+
+class RichReporter:
+    """A progress bar over source bytes (with speed and ETA) and one line per shard."""
+
+    def __init__(self):
+        from rich.progress import (
+            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+        )
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TimeRemainingColumn(), console=stdout(), transient=False)
+        self.task = None
+        self.shards = 0
+
+    def start(self, total_bytes: int, shards: int) -> None:
+        self.shards = shards
+        self.progress.start()
+        self.task = self.progress.add_task("converting", total=total_bytes)
+
+    def shard(self, plan, resumed: bool) -> None:
+        state = " (done before, kept)" if resumed else ""
+        self.progress.update(self.task, description=f"shard {plan.index}/{self.shards} {plan.label}{state}")
+
+    def advance(self, nbytes: int) -> None:
+        self.progress.advance(self.task, nbytes)
+
+    def finish(self) -> None:
+        self.progress.update(self.task, description="converted")
+        self.progress.stop()
+
+
+@app.command("convert")
+def convert_command(
+    model: Optional[str] = ModelOption,
+    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output directory (new or empty; an "
+                             "interrupted conversion into it resumes)."),
+    experts: str = typer.Option("int8", "--experts", metavar="int8|int4",
+                                help="Routed experts: int8 per output row, or int4 in groups of 64 inputs."),
+    dense: str = typer.Option("bf16", "--dense", metavar="bf16|int8|int4",
+                              help="Dense matrices (attention, embeddings, LM head, shared experts)."),
+    verify: bool = typer.Option(False, "--verify", help="Re-read the output and check every tensor against the "
+                                "source (exact bits and the scheme's error bound)."),
+    family: Optional[str] = FamilyOption,
+) -> None:
+    """Convert a checkpoint into a colibri-quant container (safetensors shards; see docs/formats.md)."""
+    from ..convert.run import convert
+
+    resolved = resolve_model(model, family)
+    result = convert(resolved, out, experts=experts, dense=dense, verify=verify, reporter=RichReporter())
+    pairs = [
+        ("output", str(result.out)),
+        ("schemes", f"experts {experts}, dense {dense}"),
+        ("shards", f"{result.shards}" + (" (already converted, nothing written)" if result.already_done else
+                                         f" ({result.written_shards} written this run)")),
+        ("size", f"{human_bytes(result.output_bytes)} from {human_bytes(result.source_bytes)} of source tensors"),
+        ("time", f"{result.seconds:.1f} s"),
+        ("peak RSS", human_bytes(result.peak_rss_bytes)),
+    ]
+    if result.verified is not None:
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(result.verified.max_ratio.items()))
+        pairs.append(("verified", f"{result.verified.tensors} tensors, {result.verified.experts} experts contiguous; "
+                                  f"max error / (scale/2): {ratios or 'n/a'}"))
+    print_pairs(pairs)

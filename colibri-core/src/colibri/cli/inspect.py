@@ -1,0 +1,250 @@
+"""``coli info``, ``coli plan`` and ``coli doctor``: read-only looks at a checkpoint (headers, never weights)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from .. import sysinfo
+from ..console import (STATUS_STYLES, emit_json, human_bytes, human_count, print_heading, print_pairs, print_table,
+                       stdout)
+from ..doctor import DoctorFailed, diagnose, failures
+from ..errors import InsufficientMemoryError, UsageError
+from ..inventory import ModelFacts, family_answer, load_facts, take_inventory
+from ..model import resolve_model
+from ..records import PlanRequest, ResourcePlan
+from ._app import app
+from .options import FamilyOption, JsonOption, ModelOption
+
+GIB = 1024**3
+GB = 1000**3
+DEFAULT_CTX = 4096
+
+
+def _layers(layers: tuple[int, ...]) -> str:
+    """``0-3, 5, 7-9``: layer lists of a 90-layer model stay short."""
+    if not layers:
+        return "none"
+    spans: list[list[int]] = []
+    for n in sorted(layers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+# ---------------------------------------------------------------------------------------------------- info
+
+def info_data(facts: ModelFacts) -> dict[str, Any]:
+    g, model = facts.geometry, facts.model
+    inv = take_inventory(g, facts.layout, facts.tensors)
+    return {
+        "model": str(model.path),
+        "family": model.family,
+        "model_type": model.model_type,
+        "architecture": g.architecture,
+        "attention": g.attention,
+        "geometry": {
+            "layers": g.num_layers, "hidden_size": g.hidden_size, "vocab_size": g.vocab_size,
+            "heads": g.num_heads, "kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "experts": g.num_experts, "top_k": g.top_k, "expert_intermediate": g.expert_intermediate,
+            "shared_experts": g.num_shared_experts, "moe_layers": list(g.moe_layers),
+            "dense_layers": list(g.dense_layers), "max_context": g.max_context,
+            "kv_bytes_per_token": g.kv_bytes_per_token, "state_bytes_per_slot": g.state_bytes_per_slot,
+            "notes": {label: value for label, value in g.notes},
+        },
+        "parameters": {"total": inv.total_params, "active_per_token": inv.active_params,
+                       "routed_experts": inv.routed_params, "skipped": inv.skipped_params},
+        "bytes": {"dense": inv.dense_bytes, "routed_experts": inv.expert_bytes, "embeddings": inv.embedding_bytes,
+                  "skipped": inv.skipped_bytes, "per_expert": inv.bytes_per_expert,
+                  "total": inv.loaded_bytes + inv.skipped_bytes},
+        "dtypes": dict(sorted(inv.dtypes.items())),
+        "files": len(facts.tensors.headers),
+        "tensors": len(facts.tensors),
+    }
+
+
+@app.command("info")
+def info_command(model: Optional[str] = ModelOption, family: Optional[str] = FamilyOption,
+                 as_json: bool = JsonOption) -> None:
+    """Family, geometry, parameter counts and bytes on disk of a checkpoint."""
+    facts = load_facts(resolve_model(model, family))
+    data = info_data(facts)
+    if as_json:
+        emit_json(data)
+        return
+    g, p, b = data["geometry"], data["parameters"], data["bytes"]
+    print_heading(f"{data['model']}")
+    rows = [("family", f"{data['family']} (model_type {data['model_type']})"),
+            ("architecture", data["architecture"]), ("attention", data["attention"]),
+            ("layers", g["layers"]), ("hidden size", g["hidden_size"]), ("vocab", g["vocab_size"])]
+    if g["heads"]:
+        rows.append(("heads", f"{g['heads']} query, {g['kv_heads']} kv, head dim {g['head_dim']}"))
+    if g["experts"]:
+        rows += [("experts", f"{g['experts']} routed, top-{g['top_k']}, intermediate {g['expert_intermediate']}"),
+                 ("shared experts", g["shared_experts"]),
+                 ("MoE layers", _layers(tuple(g["moe_layers"]))),
+                 ("dense layers", _layers(tuple(g["dense_layers"])))]
+    if g["max_context"]:
+        rows.append(("max context", g["max_context"]))
+    rows += list(g["notes"].items())
+    rows += [("parameters", f"{human_count(p['total'])} total ({p['total']:,}), "
+                            f"{human_count(p['active_per_token'])} active per token ({p['active_per_token']:,})")]
+    if p["skipped"]:
+        rows.append(("skipped", f"{human_count(p['skipped'])} parameters never loaded ({human_bytes(b['skipped'])})"))
+    rows += [("on disk", f"{human_bytes(b['total'])}: dense {human_bytes(b['dense'])}, routed experts "
+                         f"{human_bytes(b['routed_experts'])}, embeddings {human_bytes(b['embeddings'])}"),
+             ("dtypes", ", ".join(f"{k} x{v}" for k, v in data["dtypes"].items())),
+             ("files", f"{data['files']} shard(s), {data['tensors']} tensors")]
+    print_pairs(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+
+def _largest_shard(facts: ModelFacts) -> Path:
+    return max((h for h in facts.tensors.headers), key=lambda h: h.file_size).file
+
+
+def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots: int,
+                 disk_bw: float | None, cap: int = 0) -> tuple[PlanRequest, dict[str, str]]:
+    """Validate the flags against the family's limits and fill in RAM and bandwidth from the machine."""
+    sources: dict[str, str] = {}
+    g, limits = facts.geometry, facts.limits
+    if ctx is None:
+        ctx = min(DEFAULT_CTX, *(v for v in (g.max_context, limits.max_context if limits else 0) if v))
+    if ctx < 1:
+        raise UsageError(f"--ctx {ctx}: must be at least 1", "pass --ctx N with N >= 1")
+    if kv_slots < 1:
+        raise UsageError(f"--kv-slots {kv_slots}: must be at least 1", "pass --kv-slots N with N >= 1")
+    if limits is not None:
+        if limits.max_context and ctx > limits.max_context:
+            raise UsageError(f"--ctx {ctx} exceeds the {facts.model.family} engine's limit of "
+                             f"{limits.max_context} tokens", f"pass --ctx {limits.max_context} or less")
+        if limits.max_kv_slots and kv_slots > limits.max_kv_slots:
+            raise UsageError(f"--kv-slots {kv_slots} exceeds the {facts.model.family} engine's limit of "
+                             f"{limits.max_kv_slots}", f"pass --kv-slots {limits.max_kv_slots} or less")
+    if cap < 0:
+        raise UsageError(f"--cap {cap}: must be 0 (from the budget) or more", "pass --cap N with N >= 0")
+    if ram is not None:
+        if ram <= 0:
+            raise UsageError(f"--ram {ram:g}: must be more than 0 GiB", "pass --ram GB, e.g. --ram 16")
+        ram_bytes = int(ram * GIB)
+        sources["ram"] = "--ram"
+    else:
+        mem = sysinfo.memory()
+        ram_bytes = mem.available_bytes
+        sources["ram"] = mem.source
+    if disk_bw is not None:
+        if disk_bw <= 0:
+            raise UsageError(f"--disk-bw {disk_bw:g}: must be more than 0 GB/s", "pass --disk-bw 2.5, say")
+        bandwidth = disk_bw * GB
+        sources["disk_bandwidth"] = "--disk-bw"
+    else:
+        shard = _largest_shard(facts)
+        bandwidth = sysinfo.measure_read_bandwidth(shard)
+        sources["disk_bandwidth"] = f"measured reading {shard.name}"
+    return PlanRequest(ram_bytes=ram_bytes, ctx=ctx, kv_slots=kv_slots, disk_bandwidth=bandwidth, cap=cap), sources
+
+
+def make_plan(facts: ModelFacts, request: PlanRequest) -> ResourcePlan:
+    """The claiming family's plan_resources answer (core's planner unless the family overrides it)."""
+    return family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
+                         layout=facts.layout, tensors=facts.tensors)
+
+
+def _gib_up(n: int) -> str:
+    """GiB rounded up to 2 decimals, so the suggested --ram really fits."""
+    return f"{math.ceil(n / GIB * 100) / 100:.2f}"
+
+
+def not_fitting_error(plan: ResourcePlan) -> InsufficientMemoryError:
+    return InsufficientMemoryError(
+        f"{human_bytes(plan.ram_bytes)} of RAM cannot hold one expert slot per MoE layer: dense "
+        f"{human_bytes(plan.dense_bytes)} + KV {human_bytes(plan.kv_bytes)} + state {human_bytes(plan.state_bytes)}"
+        f" + reserve {human_bytes(plan.reserve_bytes)} + {plan.moe_layers} x {human_bytes(plan.expert_bytes)} "
+        f"expert slots",
+        f"needs at least {human_bytes(plan.min_ram_bytes)}: pass --ram {_gib_up(plan.min_ram_bytes)} or more, "
+        "or lower --ctx / --kv-slots")
+
+
+@app.command("plan")
+def plan_command(
+    model: Optional[str] = ModelOption,
+    family: Optional[str] = FamilyOption,
+    ram: Optional[float] = typer.Option(None, "--ram", metavar="GB",
+                                        help="RAM budget in GiB. Default: available RAM within cgroup limits."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", metavar="N", help="Context tokens per slot (default 4096 "
+                                      "or the model's maximum, if smaller)."),
+    kv_slots: int = typer.Option(1, "--kv-slots", metavar="N", help="Concurrent sequences (KV slots)."),
+    disk_bw: Optional[float] = typer.Option(None, "--disk-bw", metavar="GB/s",
+                                            help="Disk read bandwidth in GB/s. Default: measured on the "
+                                                 "largest shard."),
+    as_json: bool = JsonOption,
+) -> None:
+    """Place the model in RAM: dense, KV, reserve and expert cache slots per layer, and the disk-bound speed."""
+    facts = load_facts(resolve_model(model, family))
+    request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw)
+    plan = make_plan(facts, request)
+    if as_json:
+        emit_json({"model": str(facts.model.path), "family": facts.model.family, "ctx": request.ctx,
+                   "kv_slots": request.kv_slots, "sources": sources, **asdict(plan)})
+    else:
+        _print_plan(facts, request, plan, sources)
+    if not plan.fits:
+        raise not_fitting_error(plan)
+
+
+def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sources: dict[str, str]) -> None:
+    g = facts.geometry
+    print_heading(f"{facts.model.path} ({facts.model.family}, {facts.model.model_type})")
+    rows = [("RAM budget", f"{human_bytes(plan.ram_bytes)} ({sources['ram']})"),
+            ("dense weights", f"{human_bytes(plan.dense_bytes)} resident"),
+            ("KV cache", f"{human_bytes(plan.kv_bytes)} = {g.kv_bytes_per_token} B/token x {request.ctx} ctx x "
+                         f"{request.kv_slots} slot(s)")]
+    if plan.state_bytes:
+        rows.append(("recurrent state", f"{human_bytes(plan.state_bytes)} = {g.state_bytes_per_slot} B x "
+                                        f"{request.kv_slots} slot(s)"))
+    rows.append(("reserve", f"{human_bytes(plan.reserve_bytes)} (prefill scratch + 64 MiB runtime)"))
+    if plan.moe_layers:
+        rows += [("expert cache", f"{plan.cache_slots_per_layer} of {plan.experts_per_layer} slots/layer x "
+                                  f"{plan.moe_layers} MoE layers x {human_bytes(plan.expert_bytes)} = "
+                                  f"{human_bytes(plan.cache_bytes)}"),
+                 ("cold read/token", f"{human_bytes(plan.routed_bytes_per_token)} (top-{g.top_k} experts x "
+                                     f"{plan.moe_layers} layers)")]
+    if plan.disk_bandwidth:
+        rows.append(("disk bandwidth", f"{plan.disk_bandwidth / GB:.2f} GB/s ({sources['disk_bandwidth']})"))
+    if plan.disk_bound_tokens_per_s:
+        rows.append(("disk-bound speed", f"{plan.disk_bound_tokens_per_s:.2f} tok/s when every routed expert "
+                                         "misses the cache"))
+    rows.append(("minimum RAM", human_bytes(plan.min_ram_bytes)))
+    rows.append(("fits", "yes" if plan.fits else "no"))
+    print_pairs(rows)
+    for note in plan.notes:
+        stdout().print(f"note: {note}")
+
+
+# -------------------------------------------------------------------------------------------------- doctor
+
+@app.command("doctor")
+def doctor_command(
+    model: Optional[str] = ModelOption,
+    family: Optional[str] = FamilyOption,
+    deep: bool = typer.Option(False, "--deep", help="Also check every tensor's dtype, size, offsets, overlaps "
+                                                    "and the roles the family needs (headers only)."),
+    as_json: bool = JsonOption,
+) -> None:
+    """Check a checkpoint: config, family, tokenizer, chat template, shards, disk, engine (and --deep tensors)."""
+    checks = diagnose(model, family, deep)
+    bad = failures(checks)
+    if as_json:
+        emit_json({"ok": not bad, "checks": [c.to_json() for c in checks]})
+    else:
+        print_table(["status", "check", "detail"], [(c.status, c.name, c.detail) for c in checks],
+                    styles={0: STATUS_STYLES})
+    if bad:
+        raise DoctorFailed(bad, deep)

@@ -1,0 +1,89 @@
+"""``coli run``: one prompt in, streamed text out, then one line of stats."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..console import emit_json, print_warning
+from ..errors import UsageError
+from ..model import resolve_model
+from ._app import app
+from .options import FamilyOption, JsonOption, ModelOption
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command("run")
+def run_command(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file)."),
+    model: Optional[str] = ModelOption,
+    family: Optional[str] = FamilyOption,
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n",
+                                             help=f"Tokens to generate at most [default: {DEFAULT_MAX_TOKENS}]."),
+    temp: Optional[float] = typer.Option(None, "--temp", help="Temperature; 0 = greedy. Default: the checkpoint's "
+                                         "generation_config.json, greedy if it does not ask for sampling."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the K most likely tokens (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: random)."),
+    ram: Optional[float] = typer.Option(None, "--ram", metavar="GB",
+                                        help="RAM budget in GiB (default: what the machine has available)."),
+    cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default 4096 or the model's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--raw", help="Wrap the prompt in the checkpoint's chat "
+                                        "template (default when it has one) or send it as plain text."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", metavar="FILE", help="Read the prompt from "
+                                               "a UTF-8 file."),
+    as_json: bool = JsonOption,
+) -> None:
+    """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
+    from .. import launch
+    from ..inventory import family_answer
+    from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, read_prompt_file
+    from ..streaming import stats_line, stream_reply
+
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("both a PROMPT and --prompt-file given", "pass one of them")
+    if prompt_file is not None:
+        prompt = read_prompt_file(prompt_file)
+    if prompt is None:
+        raise UsageError("no prompt given", 'pass a PROMPT, e.g. coli run "Hello" --model DIR, or --prompt-file FILE')
+
+    resolved = resolve_model(model, family)
+    tok = family_answer(resolved, "load_tokenizer")
+    built = build_prompt(tok, prompt, chat)
+    if built.notice:
+        print_warning(built.notice)
+    sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads)
+    asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx)
+    if clamp_notice and max_tokens is not None:   # the default quietly fits the context
+        print_warning(clamp_notice)
+
+    with launch.start(spec) as engine:
+        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else _write,
+                             max_tokens=budget, stop=tok.stop_ids, **sampling.as_request())
+    stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}
+    if as_json:
+        emit_json({"model": str(resolved.path), "family": resolved.family, "mode": built.mode,
+                   "prompt_ids": built.ids, "generated_ids": reply.tokens, "text": reply.text,
+                   "sampling": sampling.as_request(), "ctx": spec.ctx, "cap": spec.cap,
+                   "ram_bytes": spec.plan.ram_bytes, "reused_tokens": reply.accept.get("reused_tokens", 0),
+                   "stats": stats})
+    else:
+        if reply.text and not reply.text.endswith("\n"):
+            _write("\n")
+        sys.stderr.write(stats_line(reply.stats, reply.accept) + "\n")
+        sys.stderr.flush()
+    if reply.interrupted:
+        raise typer.Exit(130)

@@ -1,0 +1,158 @@
+"""``coli serve``: the OpenAI- and Anthropic-compatible HTTP API (see docs/server.md).
+
+Safe by default: it binds 127.0.0.1, and refuses any other address unless an API key is set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+
+import typer
+
+from ..errors import EngineError, UsageError
+from ..server.config import (
+    API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_KV_SLOTS,
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_QUEUE_TIMEOUT_S,
+)
+from ._app import app
+from .options import FamilyOption, ModelOption
+
+_SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2}
+
+
+def parse_size(text: str) -> int:
+    """``--max-body``: bytes, or with a K/M/KiB/MiB suffix."""
+    raw = text.strip().lower()
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if suffix not in _SIZE_SUFFIXES or value <= 0:
+        raise UsageError(f"--max-body {text!r}: not a size", "give bytes or a size such as 1MiB or 512K")
+    return int(value * _SIZE_SUFFIXES[suffix])
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False   # a hostname could resolve anywhere: treat it as public
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise UsageError(f"--host {host} exposes the server beyond this machine without an API key",
+                         f"set --api-key or {API_KEY_ENV}, or bind --host 127.0.0.1")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading anything, so a taken port is one clear line instead of a failure after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: cannot bind ({exc.strerror})",
+                         "pick another --port, or stop the program using it") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+@app.command("serve")
+def serve_command(
+    model: str | None = ModelOption,
+    family: str | None = FamilyOption,
+    host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to bind. Anything but loopback needs an API "
+                             "key."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", help="TCP port to listen on."),
+    kv_slots: int = typer.Option(DEFAULT_KV_SLOTS, "--kv-slots", help="Sequences the engine runs at once (each "
+                                 "keeps its own KV cache; a conversation sticks to its slot)."),
+    max_queue: int = typer.Option(DEFAULT_MAX_QUEUE, "--max-queue", help="Requests that may wait for a slot; "
+                                  "beyond that the server answers 429 with Retry-After."),
+    queue_timeout: float = typer.Option(DEFAULT_QUEUE_TIMEOUT_S, "--queue-timeout", help="Seconds a request may "
+                                        "wait for a slot before it gets 429."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                          help="Require this key on every route but /health (Bearer, or "
+                                               "x-api-key on /v1/messages)."),
+    ctx: int | None = typer.Option(None, "--ctx", help="Context per slot in tokens (prompt + completion); "
+                                      "default: the family's default."),
+    ram: float | None = typer.Option(None, "--ram", help="RAM budget in GiB for the plan (default: what is "
+                                        "available)."),
+    cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
+                                      "default: from the RAM plan)."),
+    threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
+    cors_origin: list[str] | None = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Allow browser requests from "  # noqa: B008
+                                                    "this origin (repeatable; CORS is off without it)."),
+    max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "
+                                 "e.g. 1MiB); larger ones get 413."),
+    log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
+) -> None:
+    """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
+    from ..launch import prepare, start
+    from ..model import resolve_model
+    from ..server import ServerConfig, create_app
+    from ..server.codec import TokenizerCodec
+
+    check_bind(host, api_key)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--port {port}: must be between 1 and 65535")
+    if kv_slots < 1:
+        raise UsageError(f"--kv-slots {kv_slots}: must be at least 1")
+    if max_queue < 0:
+        raise UsageError(f"--max-queue {max_queue}: must be 0 or more")
+    if queue_timeout <= 0:
+        raise UsageError(f"--queue-timeout {queue_timeout:g}: must be a positive number of seconds")
+    body_limit = parse_size(max_body)
+    if body_limit < 1024:
+        raise UsageError(f"--max-body {max_body}: must be at least 1 KiB")
+    level = log_level.lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
+
+    resolved = resolve_model(model, family)
+    codec = TokenizerCodec.from_model_dir(resolved.path, resolved.config)
+    spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads)
+    sock = bind_socket(host, port)
+
+    import uvicorn
+
+    fatal: list[str] = []
+    config = ServerConfig(model_id=resolved.path.name, ctx=spec.ctx, kv_slots=kv_slots, max_queue=max_queue,
+                          queue_timeout=queue_timeout, api_key=api_key or None,
+                          cors_origins=tuple(cors_origin or ()), max_body=body_limit, family=resolved.family,
+                          created=int(time.time()))
+
+    def on_fatal(detail: str) -> None:
+        fatal.append(detail)
+        server.should_exit = True
+
+    application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal)
+    server = uvicorn.Server(uvicorn.Config(application, log_level=level, timeout_graceful_shutdown=5,
+                                           access_log=level == "debug"))
+    logging.getLogger("colibri.server").setLevel(level.upper())
+    shown = f"[{host}]" if ":" in host else host
+    typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}) on http://{shown}:{port}/v1 — "
+               f"{kv_slots} slot(s), ctx {spec.ctx}, queue {max_queue}, "
+               f"{'API key required' if api_key else 'no API key (loopback only)'}; loading the engine…",
+               err=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if fatal:
+        raise EngineError(fatal[0])

@@ -1,0 +1,360 @@
+"""``coli doctor``: named pass/warn/fail checks of a checkpoint directory, from headers only.
+
+Doctor never reads weight bytes: every check works on config files, the index, and the safetensors headers
+(8-byte length + JSON), so it runs in milliseconds on a 700 GB checkpoint. A failed check names the file and
+the tensor at fault; the CLI exits 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import plugins
+from .checkpoint import DTYPE_BYTES, ShardHeader, TensorInfo, read_header, read_index
+from .errors import ColibriError
+from .inventory import family_answer, geometry_of, shard_sets_of
+from .model import model_dir_from, read_config, resolve_model
+from .records import Geometry, ResolvedModel, ShardSet, TensorLayout
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+MAX_PROBLEMS_SHOWN = 5
+LOW_DISK_BYTES = 1024 * 1024 * 1024
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "spiece.model", "vocab.txt")
+TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
+TOKENIZER_DIRS = ("", "tokenizer")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One named check. ``problems`` lists every offending file/tensor; ``detail`` summarises."""
+
+    name: str
+    status: str
+    detail: str
+    problems: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems)}
+
+
+def _summarise(name: str, problems: list[str], ok_detail: str) -> Check:
+    if not problems:
+        return Check(name, PASS, ok_detail)
+    shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
+    more = f"; and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
+    return Check(name, FAIL, shown + more, tuple(problems))
+
+
+# ---------------------------------------------------------------------------------------------- engine status
+
+def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool, str]:
+    """(built, one-line status) of a family's engine, without building anything.
+
+    Asks ``colibri.builder.engine_status(family) -> (built, binary path or None, reason)`` when the builder is
+    installed, after the family's ``limits`` for the model (which may say this model has no engine); without a
+    builder, ``engine_source`` tells whether an engine exists at all.
+    """
+    if model is not None:
+        limits = family_answer(model, "limits")
+        if limits is not None and not limits.has_engine:
+            return False, f"no engine ({limits.reason_no_engine})" if limits.reason_no_engine else "no engine"
+    try:
+        from . import builder
+    except ModuleNotFoundError as exc:
+        if exc.name != "colibri.builder":
+            raise
+        builder = None
+    status_fn = getattr(builder, "engine_status", None)
+    if status_fn is not None:
+        built, path, reason = status_fn(family)
+        return bool(built), (f"built: {path}" if built and path else reason)
+    source = family_source(family)
+    if source is None:
+        return False, "no engine"
+    return False, f"not built ({source.name}; the engine builder is not installed)"
+
+
+def family_source(family: str):
+    """The family's own ``engine_source`` answer, or None."""
+    pm = plugins.manager()
+    for impl in pm.hook.engine_source.get_hookimpls():
+        if impl.plugin_name == family:
+            return impl.function()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- file checks
+
+def _present(model_dir: Path, names: tuple[str, ...]) -> str | None:
+    for sub in TOKENIZER_DIRS:
+        base = model_dir / sub if sub else model_dir
+        for name in names:
+            if (base / name).is_file():
+                return str(Path(sub) / name) if sub else name
+    return None
+
+
+def check_tokenizer(model_dir: Path, needs_tokenizer: bool) -> Check:
+    found = _present(model_dir, TOKENIZER_FILES)
+    if found is None:
+        for sub in TOKENIZER_DIRS:
+            base = model_dir / sub if sub else model_dir
+            for pair in TOKENIZER_PAIRS:
+                if all((base / f).is_file() for f in pair):
+                    found = " + ".join(str(Path(sub) / f) if sub else f for f in pair)
+        if found is None:
+            tiktoken = sorted(model_dir.glob("*.tiktoken"))
+            found = tiktoken[0].name if tiktoken else None
+    if found:
+        return Check("tokenizer", PASS, found)
+    detail = f"{model_dir}: no tokenizer.json (nor tokenizer.model, vocab.json + merges.txt, *.tiktoken)"
+    return Check("tokenizer", FAIL if needs_tokenizer else WARN,
+                 detail + ("; copy the checkpoint's tokenizer files into the directory" if needs_tokenizer else ""))
+
+
+def check_chat_template(model_dir: Path, is_language_model: bool) -> Check:
+    if not is_language_model:
+        return Check("chat template", PASS, "not needed (not a language model)")
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (model_dir / name).is_file():
+            return Check("chat template", PASS, name)
+    tok_config = model_dir / "tokenizer_config.json"
+    if tok_config.is_file():
+        try:
+            data = json.loads(tok_config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return Check("chat template", FAIL, f"{tok_config}: not valid JSON ({exc})")
+        if isinstance(data, dict) and data.get("chat_template"):
+            return Check("chat template", PASS, "tokenizer_config.json chat_template")
+    return Check("chat template", WARN, f"{model_dir}: no chat template (tokenizer_config.json chat_template or "
+                                        "chat_template.jinja); coli chat needs one, plain completion does not")
+
+
+@dataclass
+class ShardScan:
+    """What the shard check learnt, for the deep checks to reuse."""
+
+    headers: list[ShardHeader] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+
+
+def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
+    """Every shard the index names exists and parses, holds what the index says, and is not cut short."""
+    problems: list[str] = []
+    seen: dict[str, Path] = {}
+    files = 0
+    for shard_set in shard_sets:
+        weight_map: dict[str, str] | None = None
+        if shard_set.index_file is not None:
+            try:
+                weight_map = read_index(shard_set.index_file)
+            except ColibriError as exc:
+                problems.append(exc.message)
+        for file in shard_set.files:
+            if not file.exists():
+                where = f" but listed in {shard_set.index_file.name}" if shard_set.index_file else ""
+                problems.append(f"{file}: shard is missing{where}")
+                continue
+            try:
+                header = read_header(file)
+            except ColibriError as exc:
+                problems.append(exc.message)
+                continue
+            files += 1
+            scan.headers.append(header)
+            held = set()
+            for t in header.tensors:
+                name = shard_set.prefix + t.name
+                held.add(t.name)
+                if name in seen:
+                    problems.append(f"{file}: tensor {t.name!r} also appears in {seen[name]}")
+                seen[name] = file
+                scan.names.add(name)
+            past_end = [t for t in header.tensors if t.end > header.file_size]
+            if past_end:
+                worst = max(past_end, key=lambda t: t.end)
+                problems.append(f"{file}: truncated: tensor {worst.name!r} ends at byte {worst.end} but the file "
+                                f"has {header.file_size} bytes")
+            if weight_map is not None:
+                listed = {n for n, f in weight_map.items() if shard_set.directory / f == file}
+                for name in sorted(listed - held):
+                    problems.append(f"{file}: tensor {name!r} is listed in {shard_set.index_file.name} "
+                                    "but not in this shard's header")
+    ok = f"{files} file(s), {len(seen)} tensors, complete"
+    if not shard_sets or not any(s.files for s in shard_sets):
+        problems.append("no *.safetensors weights found")
+    return _summarise("shards", problems, ok)
+
+
+def check_disk_space(model_dir: Path) -> Check:
+    from .sysinfo import free_disk_bytes
+    from .console import human_bytes
+
+    free = free_disk_bytes(model_dir)
+    if free < LOW_DISK_BYTES:
+        return Check("disk space", WARN, f"{model_dir}: only {human_bytes(free)} free; building an engine and "
+                                         "logs need some room")
+    return Check("disk space", PASS, f"{human_bytes(free)} free")
+
+
+# ---------------------------------------------------------------------------------------------- deep checks
+
+def _all_tensors(scan: ShardScan) -> list[tuple[ShardHeader, TensorInfo]]:
+    return [(h, t) for h in scan.headers for t in h.tensors]
+
+
+def check_dtypes(scan: ShardScan) -> Check:
+    problems = [f"{h.file}: tensor {t.name!r} has unknown dtype {t.dtype!r}"
+                for h, t in _all_tensors(scan) if t.dtype not in DTYPE_BYTES]
+    return _summarise("dtypes", problems, ", ".join(sorted({t.dtype for _, t in _all_tensors(scan)})) or "none")
+
+
+def check_sizes(scan: ShardScan) -> Check:
+    problems = []
+    for h, t in _all_tensors(scan):
+        if t.dtype not in DTYPE_BYTES:
+            continue  # reported by the dtype check
+        expected = t.numel * DTYPE_BYTES[t.dtype]
+        if expected != t.nbytes:
+            problems.append(f"{h.file}: tensor {t.name!r} shape {list(t.shape)} x {t.dtype} is {expected:g} bytes "
+                            f"but its offsets span {t.nbytes}")
+    return _summarise("tensor sizes", problems, "shape x dtype matches every byte range")
+
+
+def check_offsets(scan: ShardScan) -> Check:
+    problems = []
+    for h, t in _all_tensors(scan):
+        if t.end < t.begin:
+            problems.append(f"{h.file}: tensor {t.name!r} ends (byte {t.end}) before it begins ({t.begin})")
+        elif t.end > h.file_size:
+            problems.append(f"{h.file}: tensor {t.name!r} runs to byte {t.end}, past the end of the "
+                            f"{h.file_size}-byte file")
+    return _summarise("offsets", problems, "every tensor lies inside its file")
+
+
+def check_overlaps(scan: ShardScan) -> Check:
+    problems = []
+    for h in scan.headers:
+        ordered = sorted((t for t in h.tensors if t.end > t.begin), key=lambda t: (t.begin, t.end))
+        for prev, cur in zip(ordered, ordered[1:]):
+            if cur.begin < prev.end:
+                problems.append(f"{h.file}: tensor {cur.name!r} (bytes {cur.begin}-{cur.end}) overlaps "
+                                f"{prev.name!r} (bytes {prev.begin}-{prev.end})")
+    return _summarise("overlaps", problems, "no two tensors share bytes")
+
+
+def check_roles(layout: TensorLayout, names: set[str], geometry: Geometry) -> Check:
+    """Every tensor the family's layout names is on disk: embedding, norms, routers, each expert, lm_head."""
+    problems: list[str] = []
+
+    def need(role: str, name: str) -> None:
+        if name not in names:
+            problems.append(f"{role}: tensor {name!r} is missing")
+
+    for name in layout.embeddings:
+        need("embedding", name)
+    if layout.lm_head is not None and layout.lm_head not in layout.embeddings:
+        need("lm_head", layout.lm_head)
+    for name in layout.norms:
+        need("norm", name)
+    for layer, name in layout.routers:
+        need(f"layer {layer} router", name)
+    for ex in layout.experts:
+        missing = [n for n in ex.tensors if n not in names]
+        if missing:
+            problems.append(f"layer {ex.layer} expert {ex.expert}: tensor {missing[0]!r} is missing"
+                            + (f" (and {len(missing) - 1} more of that expert)" if len(missing) > 1 else ""))
+    for name in layout.required:
+        need("required", name)
+    moe_layers = {ex.layer for ex in layout.experts}
+    if geometry.num_experts:
+        for layer in sorted(moe_layers):
+            count = sum(1 for ex in layout.experts if ex.layer == layer)
+            if count != geometry.num_experts:
+                problems.append(f"layer {layer}: the layout names {count} experts but the config says "
+                                f"{geometry.num_experts}")
+    tied = "tied" if layout.lm_head is None else "untied"
+    ok = (f"embedding, {len(layout.norms)} norms, {len(layout.routers)} routers, {len(layout.experts)} experts "
+          f"in {len(moe_layers)} MoE layers, lm_head {tied}")
+    return _summarise("tensor roles", problems, ok)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+def _guarded(name: str, fn: Callable[[], Any]) -> tuple[Any, Check | None]:
+    """Run a step that asks the family something; a ColibriError becomes a failed check, not an abort."""
+    try:
+        return fn(), None
+    except ColibriError as exc:
+        return None, Check(name, FAIL, exc.one_line())
+
+
+def diagnose(model_option: str | Path | None, family: str | None = None, deep: bool = False) -> list[Check]:
+    """Run every check in order; stops early only when a later check would have nothing to look at."""
+    model_dir = model_dir_from(model_option)
+    checks: list[Check] = []
+
+    config, failed = _guarded("config", lambda: read_config(model_dir))
+    if failed:
+        return [failed]
+    if config is None:
+        marker = "model_index.json" if (model_dir / "model_index.json").is_file() else None
+        checks.append(Check("config", PASS if marker else WARN,
+                            f"no config.json; {marker} present" if marker else f"{model_dir}: no config.json"))
+    else:
+        checks.append(Check("config", PASS, f"config.json, model_type {config.get('model_type')!r}"))
+
+    model, failed = _guarded("family", lambda: resolve_model(model_dir, family))
+    if failed:
+        return checks + [failed]
+    checks.append(Check("family", PASS, f"{model.family} claims model_type {model.model_type!r}"))
+
+    geometry, failed = _guarded("geometry", lambda: geometry_of(model))
+    if failed:
+        return checks + [failed]
+    layout, failed = _guarded("tensor layout", lambda: family_answer(model, "tensor_layout"))
+    if failed:
+        return checks + [failed]
+
+    is_lm = geometry.vocab_size > 0
+    checks.append(check_tokenizer(model_dir, needs_tokenizer=is_lm))
+    checks.append(check_chat_template(model_dir, is_lm))
+
+    shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
+    scan = ShardScan()
+    checks.append(failed or check_shards(shard_sets, scan))
+    checks.append(check_disk_space(model_dir))
+    built, status = engine_status(model.family, model)
+    checks.append(Check("engine", PASS if built else WARN, status))
+
+    if deep:
+        checks.append(check_dtypes(scan))
+        checks.append(check_sizes(scan))
+        checks.append(check_offsets(scan))
+        checks.append(check_overlaps(scan))
+        if layout is None:
+            checks.append(Check("tensor roles", WARN, f"family {model.family} gives no tensor layout"))
+        else:
+            checks.append(check_roles(layout, scan.names, geometry))
+    return checks
+
+
+def failures(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if c.status == FAIL]
+
+
+class DoctorFailed(ColibriError):
+    """One or more doctor checks failed; the message quotes the first problem."""
+
+    def __init__(self, failed_checks: list[Check], deep: bool):
+        first = failed_checks[0]
+        problem = first.problems[0] if first.problems else first.detail
+        hint = "fix or re-download the files named above"
+        if not deep:
+            hint += "; coli doctor --deep also checks every tensor"
+        super().__init__(f"{len(failed_checks)} check(s) failed; {first.name}: {problem}", hint)
+        self.checks = failed_checks

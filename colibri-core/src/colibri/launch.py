@@ -1,0 +1,121 @@
+"""From a resolved model and the user's flags to a running engine: limits, RAM plan, binary, arguments.
+
+Every flag a family's limits reject (context past its maximum, too many slots, no engine) is refused here with the
+flag named, never passed on or silently clamped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from .engine import DEFAULT_READY_TIMEOUT, Engine
+from .errors import EngineError, InsufficientMemoryError, UsageError
+from .inventory import ModelFacts, family_answer, load_facts
+from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
+
+GIB = 1024 ** 3
+DEFAULT_CTX = 4096
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to start (and to describe) one engine for one model."""
+
+    facts: ModelFacts
+    plan: ResourcePlan
+    ctx: int
+    slots: int
+    threads: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    @property
+    def cap(self) -> int:
+        return self.plan.cache_slots_per_layer
+
+
+def ram_bytes(ram_gib: float | None) -> int:
+    """``--ram`` in GiB, or what the machine has available (cgroup limits included) when not given."""
+    if ram_gib is not None:
+        if ram_gib <= 0:
+            raise UsageError(f"--ram {ram_gib:g}: must be a positive number of GiB", "for example --ram 8")
+        return int(ram_gib * GIB)
+    from .sysinfo import memory
+
+    return memory().available_bytes
+
+
+def default_threads() -> int:
+    # protocol: threads default to physical cores; os.cpu_count counts SMT siblings, which only hurt.
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: int) -> None:
+    if limits is None:
+        raise EngineError(f"family {model.family} states no limits for {model.path}",
+                          f"the {model.family} plugin must implement the limits hook")
+    if not limits.has_engine:
+        reason = limits.reason_no_engine or "the family has no engine yet"
+        raise EngineError(f"{model.family} cannot run {model.path}: {reason}", "coli families shows what runs")
+    if ctx < 1:
+        raise UsageError(f"--ctx {ctx}: must be at least 1", "for example --ctx 4096")
+    if ctx > limits.max_context:
+        raise UsageError(f"--ctx {ctx} exceeds the {limits.max_context} tokens {model.family} supports for this model",
+                         f"pass --ctx {limits.max_context} or less")
+    if slots < 1 or slots > limits.max_kv_slots:
+        raise UsageError(f"--slots {slots}: {model.family} supports 1 to {limits.max_kv_slots} slots",
+                         f"pass --slots {min(max(slots, 1), limits.max_kv_slots)}")
+
+
+def default_ctx(facts: ModelFacts) -> int:
+    """4096, or less when the model or its engine supports less (as ``coli plan`` chooses)."""
+    bounds = [v for v in (facts.geometry.max_context, facts.limits.max_context if facts.limits else 0) if v]
+    return min(DEFAULT_CTX, *bounds)
+
+
+def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
+    request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0))
+    plan = family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
+                         layout=facts.layout, tensors=facts.tensors)
+    if not plan.fits:
+        from .console import human_bytes
+
+        why = "; ".join(plan.notes) or (f"dense {human_bytes(plan.dense_bytes)} + KV {human_bytes(plan.kv_bytes)} + "
+                                        f"reserve {human_bytes(plan.reserve_bytes)} leave no room for one expert "
+                                        "slot per layer")
+        raise InsufficientMemoryError(f"--ram {ram / GIB:.2f} GiB does not fit {facts.model.path.name}: {why}",
+                         f"it needs at least {plan.min_ram_bytes / GIB:.2f} GiB; pass a larger --ram or a smaller --ctx")
+    return plan
+
+
+def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | None = None, slots: int = 1,
+            cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None) -> LaunchSpec:
+    """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv."""
+    facts = facts or load_facts(model)
+    ctx = default_ctx(facts) if ctx is None else int(ctx)
+    check_limits(model, facts.limits, ctx, slots)
+    if cap is not None and cap < 0:
+        raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")
+    plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
+    binary = family_answer(model, "engine_path")
+    if binary is None:
+        raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")
+    env: EngineEnv = family_answer(model, "build_env", plan=plan) or EngineEnv()
+    threads = int(threads) if threads else default_threads()
+    argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
+            "--cap", str(plan.cache_slots_per_layer), "--threads", str(threads), *env.args)
+    return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env))
+
+
+def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> Engine:
+    return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
+
+
+def open_engine(model: ResolvedModel, **kwargs) -> Engine:
+    """``prepare`` then ``start``: the engine for ``model``, loaded and ready."""
+    return start(prepare(model, **kwargs))

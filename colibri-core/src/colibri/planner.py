@@ -1,0 +1,93 @@
+"""Core's default RAM planner: dense weights resident, KV and state per slot, a reserve, the rest expert cache.
+
+The budget is split in this order, and only what is left becomes routed-expert cache slots::
+
+    dense  = every non-expert tensor as stored (embeddings, attention, norms, routers, shared experts)
+    kv     = kv_bytes_per_token x ctx x slots
+    state  = state_bytes_per_slot x slots                (recurrent / linear-attention layers)
+    reserve= scratch activations for a full-context prefill + a fixed 64 MiB
+    cache  = (ram - dense - kv - state - reserve) // (bytes per expert x MoE layers) slots per layer,
+             capped at the experts a layer has
+
+A plan that cannot give every MoE layer even one slot does not fit; it still carries the numbers and
+``min_ram_bytes``, the smallest budget that would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .inventory import take_inventory
+from .records import Geometry, PlanRequest, ResolvedModel, ResourcePlan, TensorLayout
+
+FIXED_RESERVE_BYTES = 64 * 1024 * 1024
+"""Thread stacks, I/O staging buffers, allocator slack, the engine's code and libc: measured engines sit at a
+few tens of MiB beyond their tensors, and 64 MiB keeps the OOM killer away without costing a real model a slot."""
+
+SCRATCH_ACTIVATIONS = 4
+"""A full-context prefill keeps about four hidden-sized f32 activations per position alive at once (the residual
+stream, its normalised copy, the attention output and the MLP output)."""
+
+SCRATCH_DTYPE_BYTES = 4
+
+
+def scratch_bytes(geometry: Geometry, ctx: int) -> int:
+    """Activation scratch for prefilling ``ctx`` positions, plus one f32 logits row."""
+    return SCRATCH_ACTIVATIONS * geometry.hidden_size * ctx * SCRATCH_DTYPE_BYTES + geometry.vocab_size * 4
+
+
+def reserve_bytes(geometry: Geometry, ctx: int) -> int:
+    return scratch_bytes(geometry, ctx) + FIXED_RESERVE_BYTES
+
+
+def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout: TensorLayout | None,
+         tensors: Any) -> ResourcePlan:
+    """Place ``model`` in ``request.ram_bytes``; see the module docstring for the order of the split."""
+    inv = take_inventory(geometry, layout, tensors)
+    dense = inv.resident_bytes
+    kv = geometry.kv_bytes_per_token * request.ctx * request.kv_slots
+    state = geometry.state_bytes_per_slot * request.kv_slots
+    reserve = reserve_bytes(geometry, request.ctx)
+    fixed = dense + kv + state + reserve
+    experts_per_layer = geometry.num_experts or inv.experts_per_layer
+    moe_layers = inv.moe_layers
+    expert_bytes = inv.bytes_per_expert
+    slot_row = expert_bytes * moe_layers          # one cache slot in every MoE layer
+    notes: list[str] = []
+
+    left = request.ram_bytes - fixed
+    if slot_row > 0:
+        slots = max(0, left) // slot_row
+        slots = min(slots, experts_per_layer)
+        if request.cap:
+            wanted = min(request.cap, experts_per_layer)
+            fits = wanted <= slots
+            if not fits:
+                notes.append(f"--cap {request.cap} needs {wanted} slots per layer but only {slots} fit")
+            slots = wanted
+        else:
+            fits = slots >= 1
+        min_ram = fixed + slot_row * max(1, min(request.cap, experts_per_layer) if request.cap else 1)
+        if fits and slots == experts_per_layer:
+            notes.append("every routed expert fits in RAM: after warm-up no expert is read from disk")
+    else:
+        slots = 0
+        fits = left >= 0
+        min_ram = fixed
+        notes.append("no routed experts: the whole model is resident")
+
+    cache = slots * slot_row
+    top_k = min(geometry.top_k, experts_per_layer) if geometry.top_k else experts_per_layer
+    routed_per_token = top_k * expert_bytes * moe_layers
+    bandwidth = float(request.disk_bandwidth)
+    tok_s = bandwidth / routed_per_token if bandwidth > 0 and routed_per_token > 0 else 0.0
+    if inv.skipped_bytes:
+        notes.append(f"{inv.skipped_bytes} bytes of tensors under {', '.join(layout.skipped_prefixes)} "
+                     "are never loaded")
+    return ResourcePlan(
+        ram_bytes=request.ram_bytes, dense_bytes=dense, kv_bytes=kv, state_bytes=state, reserve_bytes=reserve,
+        expert_bytes=expert_bytes, experts_per_layer=experts_per_layer, moe_layers=moe_layers,
+        cache_slots_per_layer=slots, cache_bytes=cache, routed_bytes_per_token=routed_per_token,
+        disk_bandwidth=bandwidth, disk_bound_tokens_per_s=tok_s, fits=fits, min_ram_bytes=min_ram,
+        notes=tuple(notes),
+    )

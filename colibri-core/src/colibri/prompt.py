@@ -1,0 +1,91 @@
+"""Turning what a user typed into prompt ids, and choosing sampling settings the way transformers would."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .chat_template import read_json_file
+from .errors import UsageError
+from .tokenizer import TextTokenizer
+
+NO_TEMPLATE_NOTICE = "the checkpoint has no chat template: sending the prompt as plain text"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    mode: str                 # "chat" or "raw"
+    text: str                 # what was tokenized (the rendered template in chat mode)
+    notice: str = ""          # shown to the user when the mode differs from what they asked
+
+
+def read_prompt_file(path: Path) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--prompt-file {path}: cannot read ({exc.strerror})", "check the path") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompt-file {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def build_prompt(tok: TextTokenizer, text: str, chat: bool | None) -> Prompt:
+    """Chat mode renders one user turn with the checkpoint's template (the default when it has one)."""
+    if chat is not False and not tok.has_chat_template:
+        return Prompt(tok.encode(text), "raw", text, NO_TEMPLATE_NOTICE)
+    if chat is not False:
+        rendered = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        return Prompt(tok.encode(rendered, add_special_tokens=False), "chat", rendered)
+    return Prompt(tok.encode(text), "raw", text)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+    def as_request(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+
+
+def checkpoint_sampling(model_dir: Path) -> Mapping[str, Any]:
+    """generation_config.json's sampling settings when it asks for sampling; greedy otherwise (transformers' rule)."""
+    gen = read_json_file(model_dir / "generation_config.json") or {}
+    if not gen.get("do_sample"):
+        return {"temperature": 0.0}
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if isinstance(gen.get(k), (int, float))}
+
+
+def choose_sampling(model_dir: Path, temperature: float | None, top_p: float | None, top_k: int | None,
+                    seed: int | None) -> Sampling:
+    base = checkpoint_sampling(model_dir)
+    temp = float(base.get("temperature", 1.0) if temperature is None else temperature)
+    p = float(base.get("top_p", 1.0) if top_p is None else top_p)
+    k = int(base.get("top_k", 0) if top_k is None else top_k)
+    if temp < 0:
+        raise UsageError(f"--temp {temp:g}: must be 0 (greedy) or more")
+    if not 0 < p <= 1:
+        raise UsageError(f"--top-p {p:g}: must be in (0, 1]")
+    if k < 0:
+        raise UsageError(f"--top-k {k}: must be 0 (off) or more")
+    return Sampling(temp, p, k, secrets.randbelow(2 ** 31) if seed is None else int(seed))
+
+
+def clamp_max_tokens(max_tokens: int, prompt_len: int, ctx: int) -> tuple[int, str]:
+    """Generation budget within the context; an over-large request is clamped (with a notice), never refused."""
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens {max_tokens}: must be at least 1")
+    room = ctx - prompt_len
+    if room < 1:
+        raise UsageError(f"the prompt is {prompt_len} tokens and --ctx {ctx} leaves no room to generate",
+                         f"pass --ctx {prompt_len + max_tokens} or a shorter prompt")
+    if max_tokens > room:
+        return room, f"--max-tokens {max_tokens} clamped to {room}: the prompt uses {prompt_len} of {ctx} context tokens"
+    return max_tokens, ""

@@ -1,0 +1,319 @@
+/* blocks.c: see blocks.h. */
+#include "blocks.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- weights ---- */
+
+int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
+                   char *err, size_t errlen) {
+    int64_t dims[2] = {rows, cols};
+    const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
+    if (!t) return -1;
+    if (!(l->w = cb_st_load(idx, t, err, errlen))) return -1;
+    l->dt = t->dtype;
+    l->rows = rows;
+    l->cols = cols;
+    if (bytes) *bytes += t->nbytes;
+    return 0;
+}
+
+static void to_f32(float *out, const void *src, cb_dtype dt, size_t n) {
+    if (dt == CB_F32) {
+        memcpy(out, src, n * sizeof(float));
+    } else {
+        const uint16_t *h = src;
+        for (size_t i = 0; i < n; i++) out[i] = dt == CB_BF16 ? cb_bf16_to_f32(h[i]) : cb_f16_to_f32(h[i]);
+    }
+}
+
+int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
+                   size_t errlen) {
+    int64_t dims[1] = {n};
+    const cb_tensor *t = cb_st_expect(idx, name, 1, dims, err, errlen);
+    if (!t) return -1;
+    void *raw = cb_st_load(idx, t, err, errlen);
+    if (!raw) return -1;
+    *out = malloc((size_t)n * sizeof(float));
+    if (!*out) {
+        free(raw);
+        snprintf(err, errlen, "out of memory loading %s", name);
+        return -1;
+    }
+    to_f32(*out, raw, t->dtype, (size_t)n);
+    free(raw);
+    if (bytes) *bytes += (size_t)n * sizeof(float);
+    return 0;
+}
+
+void cb_linear_free(cb_linear *l) {
+    free(l->w);
+    l->w = NULL;
+}
+
+void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) {
+    if (n == 1) cb_matvec(Y, l->w, l->dt, X, l->rows, l->cols);
+    else cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
+}
+
+void cb_embed(float *out, const cb_linear *emb, int token) {
+    size_t row = (size_t)token * (size_t)emb->cols;
+    to_f32(out, (const char *)emb->w + row * cb_dtype_size(emb->dt), emb->dt, (size_t)emb->cols);
+}
+
+void cb_add(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+void cb_clamp(float *x, size_t n, float limit) {
+    for (size_t i = 0; i < n; i++) x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];
+}
+
+/* ---- rotary position embedding ---- */
+
+int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, size_t errlen) {
+    memset(r, 0, sizeof *r);
+    float theta = 0, partial = 1.0f, factor = 1.0f, low = 1.0f, high = 4.0f;
+    int orig_max = 8192;
+    if (cb_hp_float(hp, "rope_theta", &theta, err, errlen) ||
+        cb_hp_float_opt(hp, "partial_rotary_factor", &partial, err, errlen) ||
+        cb_hp_float_opt(hp, "rope_factor", &factor, err, errlen) ||
+        cb_hp_float_opt(hp, "rope_low_freq_factor", &low, err, errlen) ||
+        cb_hp_float_opt(hp, "rope_high_freq_factor", &high, err, errlen) ||
+        cb_hp_int_opt(hp, "rope_original_max_position", &orig_max, err, errlen))
+        return -1;
+    const char *type = cb_hp_str_opt(hp, "rope_type", "default");
+    if (theta <= 0 || partial <= 0 || partial > 1 || factor <= 0) {
+        snprintf(err, errlen, "--set rope_theta/partial_rotary_factor/rope_factor out of range");
+        return -1;
+    }
+    int rot = (int)((float)head_dim * partial);
+    rot -= rot % 2;
+    if (rot < 2) {
+        snprintf(err, errlen, "--set partial_rotary_factor leaves no dimensions to rotate");
+        return -1;
+    }
+    r->neox = neox;
+    r->rot_dim = rot;
+    r->attention_factor = 1.0f;
+    r->inv_freq = malloc((size_t)(rot / 2) * sizeof(float));
+    if (!r->inv_freq) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    /* As transformers: inv_freq = 1 / theta^(2i/rot) computed in f32. */
+    for (int i = 0; i < rot / 2; i++) {
+        float expo = (float)(2 * i) / (float)rot;
+        r->inv_freq[i] = 1.0f / powf(theta, expo);
+    }
+    if (strcmp(type, "default") == 0) return 0;
+    if (strcmp(type, "linear") == 0) {
+        for (int i = 0; i < rot / 2; i++) r->inv_freq[i] /= factor;
+        return 0;
+    }
+    if (strcmp(type, "llama3") == 0) {
+        if (high <= low) {
+            snprintf(err, errlen, "--set rope_high_freq_factor must exceed rope_low_freq_factor");
+            cb_rope_free(r);
+            return -1;
+        }
+        float low_wavelen = (float)orig_max / low, high_wavelen = (float)orig_max / high;
+        for (int i = 0; i < rot / 2; i++) {
+            float f = r->inv_freq[i], wavelen = 2.0f * (float)M_PI / f;
+            float scaled = wavelen > low_wavelen ? f / factor : f;
+            if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+                float smooth = ((float)orig_max / wavelen - low) / (high - low);
+                scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
+            }
+            r->inv_freq[i] = scaled;
+        }
+        return 0;
+    }
+    snprintf(err, errlen, "--set rope_type=%s is not supported (default, linear, llama3)", type);
+    cb_rope_free(r);
+    return -1;
+}
+
+void cb_rope_free(cb_rope *r) {
+    free(r->inv_freq);
+    r->inv_freq = NULL;
+}
+
+void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int pos) {
+    if (r->neox) cb_rope_neox(x, n_heads, head_dim, r->rot_dim, pos, r->inv_freq);
+    else cb_rope_interleaved(x, n_heads, head_dim, r->rot_dim, pos, r->inv_freq);
+    if (r->attention_factor != 1.0f)
+        for (int i = 0; i < n_heads * head_dim; i++) x[i] *= r->attention_factor;
+}
+
+/* ---- attention ---- */
+
+float *cb_attn_scratch(int max_batch, int n_heads, int ctx) {
+    return malloc((size_t)max_batch * (size_t)n_heads * (size_t)ctx * sizeof(float));
+}
+
+void cb_kv_store(cb_kv *kv, int layer, int pos0, int n, const float *k, const float *v) {
+    size_t w = (size_t)kv->kv_dim;
+    for (int i = 0; i < n; i++) {
+        memcpy(cb_kv_k(kv, layer, pos0 + i), k + (size_t)i * w, w * sizeof(float));
+        memcpy(cb_kv_v(kv, layer, pos0 + i), v + (size_t)i * w, w * sizeof(float));
+    }
+}
+
+typedef struct {
+    float *out, *scores;
+    const float *q;
+    const cb_kv *kv;
+    const cb_attn_shape *s;
+    int layer, pos0;
+} attend_job;
+
+/* One (row, head) pair: independent of every other, so the split across threads cannot change a bit. */
+static void attend_one(void *ctx, int task) {
+    const attend_job *j = ctx;
+    const cb_attn_shape *s = j->s;
+    int row = task / s->n_heads, h = task % s->n_heads, hd = s->head_dim;
+    int kvh = h / (s->n_heads / s->n_kv_heads), pos = j->pos0 + row;
+    size_t q_width = (size_t)s->n_heads * (size_t)hd;
+    const float *q = j->q + (size_t)row * q_width + (size_t)h * (size_t)hd;
+    float *out = j->out + (size_t)row * q_width + (size_t)h * (size_t)hd;
+    float *sc = j->scores + (size_t)task * (size_t)j->kv->ctx;
+    for (int t = 0; t <= pos; t++)
+        sc[t] = cb_dot(cb_kv_k(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd, CB_F32, q, hd) * s->scale;
+    cb_softmax(sc, pos + 1);
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (int t = 0; t <= pos; t++) {
+        const float *v = cb_kv_v(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd;
+        float p = sc[t];
+        for (int d = 0; d < hd; d++) out[d] += p * v[d];
+    }
+}
+
+void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,
+               float *scores) {
+    attend_job j = {out, scores, q, kv, s, layer, pos0};
+    cb_parallel_for(n * s->n_heads, attend_one, &j);
+}
+
+/* ---- MoE ---- */
+
+int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router_name,
+                const char *const expert_names[3], int n_experts, int top_k, int norm_topk_prob, int hidden,
+                int inter, int cap, int max_batch, size_t *dense_bytes, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    m->n_experts = n_experts;
+    m->top_k = top_k;
+    m->norm_topk_prob = norm_topk_prob;
+    m->hidden = hidden;
+    m->inter = inter;
+    m->max_batch = max_batch;
+    if (top_k < 1 || top_k > n_experts) {
+        snprintf(err, errlen, "--set top_k=%d must be between 1 and the expert count %d", top_k, n_experts);
+        return -1;
+    }
+    if (cb_load_linear(&m->router, idx, router_name, n_experts, hidden, dense_bytes, err, errlen)) return -1;
+    if (cb_experts_init(&m->store, idx, layer, n_experts, cap, hidden, inter, expert_names, err, errlen)) {
+        cb_linear_free(&m->router);
+        return -1;
+    }
+    size_t B = (size_t)max_batch;
+    m->logits = malloc(B * (size_t)n_experts * sizeof(float));
+    m->chosen = malloc(B * (size_t)top_k * sizeof(int));
+    m->weight = malloc(B * (size_t)top_k * sizeof(float));
+    m->rows = malloc(B * sizeof(int));
+    m->weight_of_row = malloc(B * sizeof(float));
+    m->xs = malloc(B * (size_t)hidden * sizeof(float));
+    m->gate = malloc(B * (size_t)inter * sizeof(float));
+    m->up = malloc(B * (size_t)inter * sizeof(float));
+    m->down = malloc(B * (size_t)hidden * sizeof(float));
+    if (!m->logits || !m->chosen || !m->weight || !m->rows || !m->weight_of_row || !m->xs || !m->gate ||
+        !m->up || !m->down) {
+        snprintf(err, errlen, "out of memory for the MoE scratch of layer %d", layer);
+        cb_moe_free(m);
+        return -1;
+    }
+    return 0;
+}
+
+void cb_moe_free(cb_moe *m) {
+    cb_linear_free(&m->router);
+    cb_experts_free(&m->store);
+    free(m->logits);
+    free(m->chosen);
+    free(m->weight);
+    free(m->rows);
+    free(m->weight_of_row);
+    free(m->xs);
+    free(m->gate);
+    free(m->up);
+    free(m->down);
+    memset(m, 0, sizeof *m);
+}
+
+/* Top-k of probs: repeated selection of the largest remaining (strictly greater wins, so ties go to the
+ * lowest index). k is small, so O(k * E) beats sorting. */
+static void top_k_select(const float *probs, int n, int k, int *idx, float *val) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int t = 0; t < j; t++) taken |= idx[t] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        idx[j] = best;
+        val[j] = probs[best];
+    }
+}
+
+int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
+    int E = m->n_experts, K = m->top_k, H = m->hidden, I = m->inter;
+    cb_linear_apply(&m->router, m->logits, x, n);
+    for (int i = 0; i < n; i++) {
+        float *p = m->logits + (size_t)i * (size_t)E;
+        cb_softmax(p, E);
+        int *idx = m->chosen + (size_t)i * (size_t)K;
+        float *w = m->weight + (size_t)i * (size_t)K;
+        top_k_select(p, E, K, idx, w);
+        if (m->norm_topk_prob) {
+            float sum = 0;
+            for (int j = 0; j < K; j++) sum += w[j];
+            for (int j = 0; j < K; j++) w[j] /= sum;
+        }
+    }
+    memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
+    for (int e = 0; e < E; e++) {
+        int rows = 0;
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < K; j++)
+                if (m->chosen[(size_t)i * (size_t)K + (size_t)j] == e) {
+                    m->rows[rows] = i;
+                    m->weight_of_row[rows] = m->weight[(size_t)i * (size_t)K + (size_t)j];
+                    rows++;
+                }
+        if (!rows) continue;
+        cb_expert_view ex;
+        if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
+        for (int r = 0; r < rows; r++)
+            memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
+        if (rows == 1) {
+            cb_matvec(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, I, H);
+            cb_matvec(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, I, H);
+        } else {
+            cb_matmul(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, rows, I, H);
+            cb_matmul(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, rows, I, H);
+        }
+        cb_silu_mul(m->gate, m->up, rows * I);
+        if (rows == 1) cb_matvec(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, H, I);
+        else cb_matmul(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, rows, H, I);
+        for (int r = 0; r < rows; r++) {
+            float *o = out + (size_t)m->rows[r] * (size_t)H;
+            const float *d = m->down + (size_t)r * (size_t)H;
+            float w = m->weight_of_row[r];
+            for (int c = 0; c < H; c++) o[c] += d[c] * w;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,101 @@
+/* blocks.h: the pieces a transformer family engine is composed of: weight loading, linear layers, RoPE,
+ * causal attention over a slot's KV cache, and the routed MoE block (router + expert store).
+ *
+ * Every block processes n rows (tokens) at once and gives each row exactly the bits it would get alone, so
+ * batching a prefill never changes a token.
+ */
+#ifndef COLIBRI_BLOCKS_H
+#define COLIBRI_BLOCKS_H
+
+#include <stddef.h>
+
+#include "engine.h"
+#include "experts.h"
+#include "kernels.h"
+#include "safetensors.h"
+
+/* ---- weights ---- */
+
+/* A row-major weight matrix [rows, cols] kept in its stored dtype. */
+typedef struct {
+    void *w;
+    cb_dtype dt;
+    int rows, cols;
+} cb_linear;
+
+/* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. */
+int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
+                   char *err, size_t errlen);
+/* Load a vector of n weights converted to f32 (norm weights, biases). */
+int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
+                   size_t errlen);
+void cb_linear_free(cb_linear *l);
+
+/* Y[i] = W X[i] for n rows (X: n x cols, Y: n x rows). */
+void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n);
+/* out = row `token` of an embedding matrix, as f32. */
+void cb_embed(float *out, const cb_linear *emb, int token);
+/* y[i] += x[i] */
+void cb_add(float *y, const float *x, size_t n);
+/* Clamp every element to [-limit, limit]. */
+void cb_clamp(float *x, size_t n, float limit);
+
+/* ---- rotary position embedding ---- */
+
+typedef struct {
+    int neox;                  /* pairs (i, i + rot/2); else interleaved pairs (2i, 2i+1) */
+    int rot_dim;
+    float *inv_freq;           /* rot_dim / 2 entries */
+    float attention_factor;    /* scales cos and sin (YaRN-style types); 1 otherwise */
+} cb_rope;
+
+/* Read rope_theta (required), rope_type (default|linear|llama3), rope_factor, rope_low_freq_factor,
+ * rope_high_freq_factor, rope_original_max_position and partial_rotary_factor from the hyperparameters. */
+int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, size_t errlen);
+void cb_rope_free(cb_rope *r);
+void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int pos);
+
+/* ---- causal attention with a KV cache ---- */
+
+typedef struct {
+    int n_heads, n_kv_heads, head_dim;
+    float scale;               /* usually head_dim^-0.5 */
+} cb_attn_shape;
+
+/* Scratch for cb_attend: scores for max_batch rows x n_heads x ctx. */
+float *cb_attn_scratch(int max_batch, int n_heads, int ctx);
+
+/* Store k/v of rows [0, n) (each n_kv_heads * head_dim) at positions pos0.. of `layer`. */
+void cb_kv_store(cb_kv *kv, int layer, int pos0, int n, const float *k, const float *v);
+/* out[i] = softmax(q[i] K^T * scale) V over positions [0, pos0 + i], per head (GQA: query head h reads KV head
+ * h / (n_heads / n_kv_heads)). q and out are n x (n_heads * head_dim). */
+void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,
+               float *scores);
+
+/* ---- routed mixture of experts ---- */
+
+typedef struct {
+    int n_experts, top_k, norm_topk_prob, hidden, inter, max_batch;
+    cb_linear router;          /* [n_experts, hidden] */
+    cb_expert_layer store;
+    /* scratch */
+    float *logits;             /* max_batch x n_experts */
+    int *chosen;               /* max_batch x top_k */
+    float *weight;             /* max_batch x top_k */
+    int *rows;                 /* rows that chose the current expert */
+    float *weight_of_row;
+    float *xs, *gate, *up, *down;
+} cb_moe;
+
+/* Load the router and locate the layer's experts (names: printf formats of (layer, expert), gate/up/down). */
+int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router_name,
+                const char *const expert_names[3], int n_experts, int top_k, int norm_topk_prob, int hidden,
+                int inter, int cap, int max_batch, size_t *dense_bytes, char *err, size_t errlen);
+void cb_moe_free(cb_moe *m);
+/* out[i] = sum over the top-k experts of row i of weight * down(silu(gate x) * up x). Softmax over all
+ * experts in f32, top-k (lowest index first on ties), renormalised when norm_topk_prob. Experts are visited
+ * in ascending index, each read at most once per call and applied to every row that chose it; each row's sum
+ * is accumulated in ascending expert order, which is what makes batching exact. */
+int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
+
+#endif

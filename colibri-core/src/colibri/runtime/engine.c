@@ -1,0 +1,700 @@
+/* engine.c: the engine process every family shares: arguments, the JSON-lines protocol (docs/protocol.md),
+ * KV slots, scheduling and stats. The family only loads weights and runs forward passes (engine.h).
+ *
+ * Scheduling: one thread of control. Each round gives every active sequence one step (a prefill chunk or
+ * one decode token), and stdin is polled between steps so a cancel lands within one step.
+ */
+#include "engine.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "json.h"
+#include "kernels.h"
+#include "sampler.h"
+
+#define PREFILL_CHUNK 32
+#define MAX_LINE ((size_t)16 << 20)
+#define ERRLEN 512
+
+typedef enum { SEQ_IDLE = 0, SEQ_PREFILL, SEQ_DECODE } seq_phase;
+
+typedef struct {
+    cb_kv kv;
+    int *tokens;               /* the tokens whose KV this slot holds */
+    int n_tokens;
+    /* the sequence running in the slot, if any */
+    seq_phase phase;
+    int64_t id;
+    int *prompt, prompt_len, next, reused;
+    int max_tokens, generated, want_logits;
+    int *stop, n_stop;
+    int *forced, n_forced;
+    int pending;               /* the token the next decode step feeds */
+    cb_sampler sampler;
+    double prefill_s, decode_s;
+    int decode_steps;
+    cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
+} slot_t;
+
+typedef struct {
+    const cb_family *fam;
+    void *model;
+    cb_model_info info;
+    int ctx, n_slots, cap, threads;
+    slot_t *slots;
+    float *logits;             /* PREFILL_CHUNK x vocab */
+    void *sample_work;
+    cb_buf out;
+    char *in;
+    size_t in_len, in_cap;
+    int in_eof, discarding, shutdown;
+    uint64_t prefilled_total, generated_total;
+} engine_t;
+
+/* ---- small helpers ---- */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+size_t cb_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f) return 0;
+    unsigned long size = 0, resident = 0;
+    int ok = fscanf(f, "%lu %lu", &size, &resident) == 2;
+    fclose(f);
+    long page = sysconf(_SC_PAGESIZE);
+    return ok && page > 0 ? (size_t)resident * (size_t)page : 0;
+}
+
+static void emit(engine_t *E) {
+    cb_buf_put(&E->out, "\n", 1);
+    if (!E->out.failed) {
+        fwrite(E->out.data, 1, E->out.len, stdout);
+        fflush(stdout);
+    }
+    cb_buf_reset(&E->out);
+}
+
+static void emit_error(engine_t *E, int has_id, int64_t id, const char *code, const char *message) {
+    cb_buf *b = &E->out;
+    cb_buf_puts(b, "{\"ev\":\"error\",\"id\":");
+    if (has_id) cb_buf_printf(b, "%lld", (long long)id);
+    else cb_buf_puts(b, "null");
+    cb_buf_printf(b, ",\"code\":\"%s\",\"message\":", code);
+    cb_buf_json_str(b, message);
+    cb_buf_puts(b, "}");
+    emit(E);
+}
+
+static void emit_fatal(const char *code, const char *message) {
+    cb_buf b = {0};
+    cb_buf_printf(&b, "{\"ev\":\"fatal\",\"code\":\"%s\",\"message\":", code);
+    cb_buf_json_str(&b, message);
+    cb_buf_puts(&b, "}\n");
+    if (!b.failed) {
+        fwrite(b.data, 1, b.len, stdout);
+        fflush(stdout);
+    }
+    fprintf(stderr, "fatal: %s\n", message);
+    cb_buf_free(&b);
+}
+
+static void put_float(cb_buf *b, double v) {
+    if (isfinite(v)) cb_buf_printf(b, "%.9g", v);
+    else cb_buf_puts(b, "null");
+}
+
+static cb_expert_counters total_counters(const engine_t *E) {
+    cb_expert_counters c = {0};
+    for (int i = 0; i < E->info.n_expert_layers; i++) {
+        const cb_expert_counters *l = &E->info.expert_layers[i]->count;
+        c.hits += l->hits;
+        c.misses += l->misses;
+        c.bytes_read += l->bytes_read;
+        c.reads += l->reads;
+    }
+    return c;
+}
+
+static void put_counters(cb_buf *b, const cb_expert_counters *c) {
+    uint64_t acc = c->hits + c->misses;
+    cb_buf_printf(b, ",\"expert_hits\":%llu,\"expert_misses\":%llu,\"hit_rate\":", (unsigned long long)c->hits,
+                  (unsigned long long)c->misses);
+    put_float(b, acc ? (double)c->hits / (double)acc : 0.0);
+    cb_buf_printf(b, ",\"bytes_read\":%llu,\"reads\":%llu", (unsigned long long)c->bytes_read,
+                  (unsigned long long)c->reads);
+}
+
+/* ---- sequences ---- */
+
+static void seq_clear(slot_t *s) {
+    free(s->prompt);
+    free(s->stop);
+    free(s->forced);
+    s->prompt = s->stop = s->forced = NULL;
+    s->phase = SEQ_IDLE;
+}
+
+static void finish(engine_t *E, slot_t *s, const char *reason) {
+    cb_buf *b = &E->out;
+    cb_buf_printf(b, "{\"ev\":\"done\",\"id\":%lld,\"reason\":\"%s\",\"prompt_tokens\":%d,"
+                     "\"prefilled_tokens\":%d,\"generated_tokens\":%d,\"prefill_tps\":",
+                  (long long)s->id, reason, s->prompt_len, s->next - s->reused, s->generated);
+    put_float(b, s->prefill_s > 0 ? (double)(s->next - s->reused) / s->prefill_s : 0.0);
+    cb_buf_puts(b, ",\"decode_tps\":");
+    put_float(b, s->decode_s > 0 ? (double)s->decode_steps / s->decode_s : 0.0);
+    put_counters(b, &s->count);
+    cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
+    emit(E);
+    seq_clear(s);
+}
+
+static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_logits, char *err) {
+    cb_expert_counters before = total_counters(E);
+    int pos0 = s->n_tokens;
+    if (E->fam->forward(E->model, &s->kv, tokens, n, pos0, E->logits, all_logits, err, ERRLEN)) return -1;
+    memcpy(s->tokens + pos0, tokens, (size_t)n * sizeof(int));
+    s->n_tokens += n;
+    cb_expert_counters after = total_counters(E);
+    s->count.hits += after.hits - before.hits;
+    s->count.misses += after.misses - before.misses;
+    s->count.bytes_read += after.bytes_read - before.bytes_read;
+    s->count.reads += after.reads - before.reads;
+    return 0;
+}
+
+/* Sample from logits, emit the token, and either finish the sequence or queue the token for the next step. */
+static void take_token(engine_t *E, slot_t *s, const float *logits) {
+    int tok = cb_sample(&s->sampler, logits, E->info.vocab, E->sample_work);
+    cb_buf_printf(&E->out, "{\"ev\":\"token\",\"id\":%lld,\"tok\":%d}", (long long)s->id, tok);
+    emit(E);
+    s->generated++;
+    for (int i = 0; i < s->n_stop; i++)
+        if (s->stop[i] == tok) {
+            finish(E, s, "stop");
+            return;
+        }
+    if (s->generated >= s->max_tokens || s->n_tokens >= E->ctx) {
+        finish(E, s, "length");
+        return;
+    }
+    s->pending = s->generated - 1 < s->n_forced ? s->forced[s->generated - 1] : tok;
+    s->phase = SEQ_DECODE;
+}
+
+static int step(engine_t *E, slot_t *s, char *err) {
+    int vocab = E->info.vocab;
+    if (s->phase == SEQ_PREFILL) {
+        int n = s->prompt_len - s->next;
+        if (n > PREFILL_CHUNK) n = PREFILL_CHUNK;
+        int pos0 = s->n_tokens;
+        double t0 = now_s();
+        if (forward(E, s, s->prompt + s->next, n, s->want_logits, err)) return -1;
+        s->prefill_s += now_s() - t0;
+        s->next += n;
+        E->prefilled_total += (uint64_t)n;
+        if (s->want_logits) {
+            for (int i = 0; i < n; i++) {
+                cb_buf *b = &E->out;
+                cb_buf_printf(b, "{\"ev\":\"logits\",\"id\":%lld,\"pos\":%d,\"values\":[", (long long)s->id,
+                              pos0 + i);
+                const float *row = E->logits + (size_t)i * (size_t)vocab;
+                for (int v = 0; v < vocab; v++) {
+                    if (v) cb_buf_put(b, ",", 1);
+                    put_float(b, row[v]);
+                }
+                cb_buf_puts(b, "]}");
+                emit(E);
+            }
+        }
+        if (s->next < s->prompt_len) {
+            cb_buf_printf(&E->out, "{\"ev\":\"keepalive\",\"id\":%lld,\"done\":%d,\"total\":%d}", (long long)s->id,
+                          s->next, s->prompt_len);
+            emit(E);
+            return 0;
+        }
+        if (s->max_tokens <= 0) {
+            finish(E, s, "length");
+            return 0;
+        }
+        take_token(E, s, E->logits + (s->want_logits ? (size_t)(n - 1) * (size_t)vocab : 0));
+        return 0;
+    }
+    double t0 = now_s();
+    if (forward(E, s, &s->pending, 1, 0, err)) return -1;
+    s->decode_s += now_s() - t0;
+    s->decode_steps++;
+    E->generated_total++;
+    take_token(E, s, E->logits);
+    return 0;
+}
+
+/* ---- requests ---- */
+
+static int int_field(cb_json *req, const char *key, int required, int64_t def, int64_t lo, int64_t hi,
+                     int64_t *out, char *err) {
+    cb_json *v = cb_json_get(req, key);
+    if (!v || v->type == CB_JNULL) {
+        if (required) {
+            snprintf(err, ERRLEN, "missing field \"%s\"", key);
+            return -1;
+        }
+        *out = def;
+        return 0;
+    }
+    if (v->type != CB_JNUM || !v->is_int || v->inum < lo || v->inum > hi) {
+        snprintf(err, ERRLEN, "field \"%s\" must be an integer in [%lld, %lld]", key, (long long)lo, (long long)hi);
+        return -1;
+    }
+    *out = v->inum;
+    return 0;
+}
+
+static int num_field(cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err) {
+    cb_json *v = cb_json_get(req, key);
+    if (!v || v->type == CB_JNULL) {
+        *out = def;
+        return 0;
+    }
+    if (v->type != CB_JNUM || !(v->num >= lo && v->num <= hi)) {
+        snprintf(err, ERRLEN, "field \"%s\" must be a number in [%g, %g]", key, lo, hi);
+        return -1;
+    }
+    *out = v->num;
+    return 0;
+}
+
+/* An optional array of token ids (each in [0, vocab)); NULL/0 when absent. */
+static int ids_field(cb_json *req, const char *key, int vocab, int **out, int *n, char *err) {
+    *out = NULL;
+    *n = 0;
+    cb_json *v = cb_json_get(req, key);
+    if (!v || v->type == CB_JNULL) return 0;
+    if (v->type != CB_JARR) {
+        snprintf(err, ERRLEN, "field \"%s\" must be an array of token ids", key);
+        return -1;
+    }
+    if (!v->len) return 0;
+    *out = malloc(v->len * sizeof(int));
+    if (!*out) {
+        snprintf(err, ERRLEN, "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < v->len; i++) {
+        cb_json *t = v->items[i];
+        if (t->type != CB_JNUM || !t->is_int || t->inum < 0 || t->inum >= vocab) {
+            snprintf(err, ERRLEN, "field \"%s\"[%zu] is not a token id in [0, %d)", key, i, vocab);
+            free(*out);
+            *out = NULL;
+            return -1;
+        }
+        (*out)[i] = (int)t->inum;
+    }
+    *n = (int)v->len;
+    return 0;
+}
+
+static slot_t *find_seq(engine_t *E, int64_t id) {
+    for (int i = 0; i < E->n_slots; i++)
+        if (E->slots[i].phase != SEQ_IDLE && E->slots[i].id == id) return &E->slots[i];
+    return NULL;
+}
+
+static void do_submit(engine_t *E, cb_json *req) {
+    char err[ERRLEN];
+    int64_t id, slot_no, max_tokens, top_k, seed;
+    double temperature, top_p;
+    if (int_field(req, "id", 1, 0, INT64_MIN, INT64_MAX, &id, err)) {
+        emit_error(E, 0, 0, "bad_request", err);
+        return;
+    }
+    if (int_field(req, "slot", 0, 0, 0, E->n_slots - 1, &slot_no, err) ||
+        int_field(req, "max_tokens", 0, 128, 0, INT32_MAX, &max_tokens, err) ||
+        int_field(req, "top_k", 0, 0, 0, INT32_MAX, &top_k, err) ||
+        int_field(req, "seed", 0, 0, INT64_MIN, INT64_MAX, &seed, err) ||
+        num_field(req, "temperature", 0.0, 0.0, 1e6, &temperature, err) ||
+        num_field(req, "top_p", 1.0, 0.0, 1.0, &top_p, err)) {
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    cb_json *lg = cb_json_get(req, "logits");
+    if (lg && lg->type != CB_JBOOL && lg->type != CB_JNULL) {
+        emit_error(E, 1, id, "bad_request", "field \"logits\" must be a boolean");
+        return;
+    }
+    if (find_seq(E, id)) {
+        emit_error(E, 1, id, "bad_request", "a sequence with this id is already running");
+        return;
+    }
+    slot_t *s = &E->slots[slot_no];
+    if (s->phase != SEQ_IDLE) {
+        snprintf(err, ERRLEN, "slot %lld is running sequence %lld", (long long)slot_no, (long long)s->id);
+        emit_error(E, 1, id, "busy", err);
+        return;
+    }
+    int *prompt, n_prompt, *stop, n_stop, *forced, n_forced;
+    if (ids_field(req, "prompt", E->info.vocab, &prompt, &n_prompt, err)) {
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    if (!n_prompt) {
+        emit_error(E, 1, id, "bad_request", "field \"prompt\" must be a non-empty array of token ids");
+        return;
+    }
+    if (n_prompt > E->ctx) {
+        free(prompt);
+        snprintf(err, ERRLEN, "prompt of %d tokens exceeds the context of %d tokens (start the engine with a larger --ctx)",
+                 n_prompt, E->ctx);
+        emit_error(E, 1, id, "context_exceeded", err);
+        return;
+    }
+    if (ids_field(req, "stop", E->info.vocab, &stop, &n_stop, err)) {
+        free(prompt);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    if (ids_field(req, "forced", E->info.vocab, &forced, &n_forced, err)) {
+        free(prompt);
+        free(stop);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits. */
+    int reuse = 0;
+    while (reuse < s->n_tokens && reuse < n_prompt - 1 && s->tokens[reuse] == prompt[reuse]) reuse++;
+    s->n_tokens = reuse;
+    s->id = id;
+    s->prompt = prompt;
+    s->prompt_len = n_prompt;
+    s->next = reuse;
+    s->reused = reuse;
+    s->max_tokens = (int)max_tokens;
+    s->generated = 0;
+    s->want_logits = lg && lg->type == CB_JBOOL && lg->boolean;
+    s->stop = stop;
+    s->n_stop = n_stop;
+    s->forced = forced;
+    s->n_forced = n_forced;
+    s->prefill_s = s->decode_s = 0;
+    s->decode_steps = 0;
+    memset(&s->count, 0, sizeof s->count);
+    cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
+    s->phase = SEQ_PREFILL;
+    cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
+                  (long long)id, (long long)slot_no, n_prompt, reuse);
+    emit(E);
+}
+
+static void do_stats(engine_t *E) {
+    cb_buf *b = &E->out;
+    cb_expert_counters tot = total_counters(E);
+    uint64_t acc = tot.hits + tot.misses;
+    /* Totals carry the expert_ prefix here because the unprefixed names are the per-layer arrays. */
+    cb_buf_printf(b, "{\"ev\":\"stats\",\"expert_hits\":%llu,\"expert_misses\":%llu,\"hit_rate\":",
+                  (unsigned long long)tot.hits, (unsigned long long)tot.misses);
+    put_float(b, acc ? (double)tot.hits / (double)acc : 0.0);
+    cb_buf_printf(b, ",\"expert_bytes_read\":%llu,\"expert_reads\":%llu", (unsigned long long)tot.bytes_read,
+                  (unsigned long long)tot.reads);
+    cb_buf_printf(b, ",\"prefilled_tokens\":%llu,\"generated_tokens\":%llu,\"rss_bytes\":%zu",
+                  (unsigned long long)E->prefilled_total, (unsigned long long)E->generated_total, cb_rss_bytes());
+    static const char *names[] = {"layers", "hits", "misses", "bytes_read", "reads"};
+    for (int f = 0; f < 5; f++) {
+        cb_buf_printf(b, ",\"%s\":[", names[f]);
+        for (int i = 0; i < E->info.n_expert_layers; i++) {
+            const cb_expert_layer *L = E->info.expert_layers[i];
+            uint64_t v = f == 0 ? (uint64_t)L->layer : f == 1 ? L->count.hits : f == 2 ? L->count.misses
+                       : f == 3 ? L->count.bytes_read : L->count.reads;
+            cb_buf_printf(b, "%s%llu", i ? "," : "", (unsigned long long)v);
+        }
+        cb_buf_puts(b, "]");
+    }
+    cb_buf_puts(b, "}");
+    emit(E);
+}
+
+static void handle_line(engine_t *E, const char *line, size_t n) {
+    while (n && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) n--;
+    if (!n) return;
+    char err[ERRLEN];
+    cb_json_doc *doc = cb_json_parse(line, n, err, sizeof err);
+    if (!doc) {
+        emit_error(E, 0, 0, "bad_request", err);
+        return;
+    }
+    cb_json *req = cb_json_root(doc);
+    cb_json *op = cb_json_get(req, "op");
+    cb_json *idv = cb_json_get(req, "id");
+    int has_id = idv && idv->type == CB_JNUM && idv->is_int;
+    int64_t id = has_id ? idv->inum : 0;
+    if (req->type != CB_JOBJ) {
+        emit_error(E, 0, 0, "bad_request", "a request must be a JSON object");
+    } else if (!op || op->type != CB_JSTR) {
+        emit_error(E, has_id, id, "bad_request", "missing string field \"op\"");
+    } else if (!strcmp(op->str, "submit")) {
+        do_submit(E, req);
+    } else if (!strcmp(op->str, "cancel")) {
+        slot_t *s = has_id ? find_seq(E, id) : NULL;
+        if (!has_id) emit_error(E, 0, 0, "bad_request", "cancel needs an integer \"id\"");
+        else if (!s) emit_error(E, 1, id, "bad_request", "no running sequence has this id");
+        else finish(E, s, "cancelled");
+    } else if (!strcmp(op->str, "reset")) {
+        int64_t slot_no;
+        if (int_field(req, "slot", 1, 0, 0, E->n_slots - 1, &slot_no, err)) {
+            emit_error(E, has_id, id, "bad_request", err);
+        } else if (E->slots[slot_no].phase != SEQ_IDLE) {
+            snprintf(err, ERRLEN, "slot %lld is running sequence %lld", (long long)slot_no,
+                     (long long)E->slots[slot_no].id);
+            emit_error(E, has_id, id, "busy", err);
+        } else {
+            E->slots[slot_no].n_tokens = 0;
+        }
+    } else if (!strcmp(op->str, "stats")) {
+        do_stats(E);
+    } else if (!strcmp(op->str, "shutdown")) {
+        E->shutdown = 1;
+    } else {
+        snprintf(err, ERRLEN, "unknown op \"%.64s\" (submit, cancel, reset, stats, shutdown)", op->str);
+        emit_error(E, has_id, id, "bad_request", err);
+    }
+    cb_json_free(doc);
+}
+
+/* Read what stdin has (waiting for it when `block`), handling every complete line. */
+static void read_input(engine_t *E, int block) {
+    while (!E->in_eof && !E->shutdown) {
+        struct pollfd pfd = {0, POLLIN, 0};
+        int r = poll(&pfd, 1, block ? -1 : 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return;
+        if (E->in_cap - E->in_len < 65536) {
+            size_t cap = E->in_cap ? E->in_cap * 2 : 131072;
+            char *p = realloc(E->in, cap);
+            if (!p) {
+                E->in_eof = 1;
+                return;
+            }
+            E->in = p;
+            E->in_cap = cap;
+        }
+        ssize_t got = read(0, E->in + E->in_len, E->in_cap - E->in_len);
+        if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (got <= 0) {
+            E->in_eof = 1;
+            if (E->in_len && !E->discarding) handle_line(E, E->in, E->in_len);   /* a last unterminated line */
+            E->in_len = 0;
+            return;
+        }
+        size_t scan_from = E->in_len, start = 0;
+        E->in_len += (size_t)got;
+        for (size_t i = scan_from; i < E->in_len; i++) {
+            if (E->in[i] != '\n') continue;
+            if (!E->discarding) handle_line(E, E->in + start, i - start);
+            E->discarding = 0;
+            start = i + 1;
+            if (E->shutdown) return;
+        }
+        memmove(E->in, E->in + start, E->in_len - start);
+        E->in_len -= start;
+        if (E->in_len > MAX_LINE) {
+            if (!E->discarding) emit_error(E, 0, 0, "bad_request", "request line longer than 16 MiB");
+            E->discarding = 1;
+            E->in_len = 0;
+        }
+        block = 0;
+    }
+}
+
+/* ---- arguments and main loop ---- */
+
+static int parse_int_arg(const char *flag, const char *v, int lo, int hi, int *out, char *err) {
+    char *end;
+    errno = 0;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || errno || end == v || *end || x < lo || x > hi) {
+        snprintf(err, ERRLEN, "%s needs an integer in [%d, %d], got %s", flag, lo, hi, v ? v : "nothing");
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir, cb_hparams *hp, char *err) {
+    *model_dir = NULL;
+    E->ctx = 4096;
+    E->n_slots = 1;
+    E->cap = 0;
+    E->threads = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int rc = 0;
+        if (!strcmp(a, "--model")) {
+            if (!v) { snprintf(err, ERRLEN, "--model needs a directory"); return -1; }
+            *model_dir = v;
+        } else if (!strcmp(a, "--ctx")) rc = parse_int_arg(a, v, 1, 1 << 24, &E->ctx, err);
+        else if (!strcmp(a, "--slots")) rc = parse_int_arg(a, v, 1, 1024, &E->n_slots, err);
+        else if (!strcmp(a, "--cap")) rc = parse_int_arg(a, v, 0, 1 << 24, &E->cap, err);
+        else if (!strcmp(a, "--threads")) rc = parse_int_arg(a, v, 0, 4096, &E->threads, err);
+        else if (!strcmp(a, "--set")) {
+            const char *eq = v ? strchr(v, '=') : NULL;
+            if (!eq || eq == v) { snprintf(err, ERRLEN, "--set needs key=value, got %s", v ? v : "nothing"); return -1; }
+            char **k = realloc(hp->keys, (size_t)(hp->n + 1) * sizeof *k);
+            if (k) hp->keys = k;
+            char **vv = realloc(hp->values, (size_t)(hp->n + 1) * sizeof *vv);
+            if (vv) hp->values = vv;
+            int *u = realloc(hp->used, (size_t)(hp->n + 1) * sizeof *u);
+            if (u) hp->used = u;
+            if (!k || !vv || !u) { snprintf(err, ERRLEN, "out of memory"); return -1; }
+            hp->keys[hp->n] = strndup(v, (size_t)(eq - v));
+            hp->values[hp->n] = strdup(eq + 1);
+            hp->used[hp->n] = 0;
+            hp->n++;
+            if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
+        } else {
+            snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set)", a);
+            return -1;
+        }
+        if (rc) return -1;
+        i++;
+    }
+    if (!*model_dir) {
+        snprintf(err, ERRLEN, "--model DIR is required");
+        return -1;
+    }
+    return 0;
+}
+
+static void free_hparams(cb_hparams *hp) {
+    for (int i = 0; i < hp->n; i++) {
+        free(hp->keys[i]);
+        free(hp->values[i]);
+    }
+    free(hp->keys);
+    free(hp->values);
+    free(hp->used);
+}
+
+static int alloc_slots(engine_t *E, char *err) {
+    E->slots = calloc((size_t)E->n_slots, sizeof *E->slots);
+    if (!E->slots) goto oom;
+    size_t per = (size_t)E->info.n_layers * (size_t)E->ctx * (size_t)E->info.kv_dim;
+    for (int i = 0; i < E->n_slots; i++) {
+        slot_t *s = &E->slots[i];
+        s->kv.n_layers = E->info.n_layers;
+        s->kv.ctx = E->ctx;
+        s->kv.kv_dim = E->info.kv_dim;
+        /* calloc: pages of KV never reached by a sequence are never touched, so never resident. */
+        s->kv.k = calloc(per ? per : 1, sizeof(float));
+        s->kv.v = calloc(per ? per : 1, sizeof(float));
+        s->tokens = malloc((size_t)E->ctx * sizeof(int));
+        if (!s->kv.k || !s->kv.v || !s->tokens) goto oom;
+    }
+    E->logits = malloc((size_t)PREFILL_CHUNK * (size_t)E->info.vocab * sizeof(float));
+    E->sample_work = malloc((size_t)E->info.vocab * 2 * sizeof(float));
+    if (!E->logits || !E->sample_work) goto oom;
+    return 0;
+oom:
+    snprintf(err, ERRLEN, "out of memory allocating %d KV slots of %d tokens", E->n_slots, E->ctx);
+    return -1;
+}
+
+static void free_engine(engine_t *E) {
+    if (E->slots)
+        for (int i = 0; i < E->n_slots; i++) {
+            seq_clear(&E->slots[i]);
+            free(E->slots[i].kv.k);
+            free(E->slots[i].kv.v);
+            free(E->slots[i].tokens);
+        }
+    free(E->slots);
+    free(E->logits);
+    free(E->sample_work);
+    free(E->in);
+    cb_buf_free(&E->out);
+    if (E->model) E->fam->free(E->model);
+}
+
+int cb_engine_main(int argc, char **argv, const cb_family *family) {
+    engine_t E;
+    memset(&E, 0, sizeof E);
+    E.fam = family;
+    cb_hparams hp = {0};
+    char err[ERRLEN];
+    const char *model_dir;
+    int rc = 2;
+    if (parse_args(&E, argc, argv, &model_dir, &hp, err)) {
+        emit_fatal("bad_args", err);
+        goto out;
+    }
+    if (cb_threads_init(E.threads)) {
+        emit_fatal("internal", "cannot start the compute threads");
+        goto out;
+    }
+    cb_load_args la = {model_dir, E.ctx, E.n_slots, E.cap, E.threads, PREFILL_CHUNK, &hp};
+    err[0] = 0;
+    if (family->load(&E.model, &la, &E.info, err, sizeof err)) {
+        E.model = NULL;
+        emit_fatal("load", err[0] ? err : "loading the model failed");
+        goto out_threads;
+    }
+    for (int i = 0; i < hp.n; i++)
+        if (!hp.used[i]) {
+            snprintf(err, ERRLEN, "--set %s: not a hyperparameter of the %s engine", hp.keys[i], family->name);
+            emit_fatal("bad_args", err);
+            goto out_threads;
+        }
+    if (E.info.vocab < 1 || E.info.n_layers < 0 || E.info.kv_dim < 0) {
+        emit_fatal("load", "the family reported an invalid model geometry");
+        goto out_threads;
+    }
+    if (alloc_slots(&E, err)) {
+        emit_fatal("load", err);
+        goto out_threads;
+    }
+    size_t kv_bytes = (size_t)E.n_slots * 2 * (size_t)E.info.n_layers * (size_t)E.ctx * (size_t)E.info.kv_dim *
+                      sizeof(float);
+    cb_buf_printf(&E.out, "{\"ev\":\"ready\",\"family\":");
+    cb_buf_json_str(&E.out, family->name);
+    cb_buf_printf(&E.out, ",\"vocab\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,\"isa\":\"%s\","
+                          "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"expert_cache_bytes\":%zu}",
+                  E.info.vocab, E.ctx, E.n_slots, E.cap, cb_threads_count(), cb_isa_name(cb_get_isa()),
+                  E.info.dense_bytes, kv_bytes, E.info.expert_cache_bytes);
+    emit(&E);
+
+    rc = 0;
+    while (!E.shutdown) {
+        int active = 0;
+        for (int i = 0; i < E.n_slots; i++) active |= E.slots[i].phase != SEQ_IDLE;
+        if (!active && E.in_eof) break;
+        read_input(&E, !active);
+        for (int i = 0; i < E.n_slots && !E.shutdown; i++) {
+            slot_t *s = &E.slots[i];
+            if (s->phase == SEQ_IDLE) continue;
+            if (step(&E, s, err)) {
+                emit_error(&E, 1, s->id, "internal", err);
+                emit_fatal("internal", err);
+                rc = 2;
+                goto out_threads;
+            }
+            read_input(&E, 0);
+        }
+    }
+    for (int i = 0; i < E.n_slots; i++)
+        if (E.slots[i].phase != SEQ_IDLE) finish(&E, &E.slots[i], "cancelled");
+out_threads:
+    free_engine(&E);
+    E.model = NULL;
+    cb_threads_shutdown();
+out:
+    free_hparams(&hp);
+    return rc;
+}

@@ -1,0 +1,91 @@
+/* hparams.c: the --set key=value hyperparameters (see engine.h). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+static int find(cb_hparams *hp, const char *key) {
+    for (int i = hp->n - 1; i >= 0; i--)      /* the last --set of a key wins */
+        if (strcmp(hp->keys[i], key) == 0) return i;
+    return -1;
+}
+
+static void mark_used(cb_hparams *hp, const char *key) {
+    for (int i = 0; i < hp->n; i++)
+        if (strcmp(hp->keys[i], key) == 0) hp->used[i] = 1;
+}
+
+const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def) {
+    int i = find(hp, key);
+    if (i < 0) return def;
+    mark_used(hp, key);
+    return hp->values[i];
+}
+
+static int get_int(cb_hparams *hp, const char *key, int *out, int required, char *err, size_t errlen) {
+    int i = find(hp, key);
+    if (i < 0) {
+        if (!required) return 0;
+        snprintf(err, errlen, "missing --set %s=<integer> (the family plugin resolves it from config.json)", key);
+        return -1;
+    }
+    mark_used(hp, key);
+    char *end;
+    errno = 0;
+    long v = strtol(hp->values[i], &end, 10);
+    if (errno || end == hp->values[i] || *end || v < -2147483647L || v > 2147483647L) {
+        snprintf(err, errlen, "--set %s=%s: not an integer", key, hp->values[i]);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int get_float(cb_hparams *hp, const char *key, float *out, int required, char *err, size_t errlen) {
+    int i = find(hp, key);
+    if (i < 0) {
+        if (!required) return 0;
+        snprintf(err, errlen, "missing --set %s=<number> (the family plugin resolves it from config.json)", key);
+        return -1;
+    }
+    mark_used(hp, key);
+    char *end;
+    errno = 0;
+    double v = strtod(hp->values[i], &end);
+    if (errno || end == hp->values[i] || *end || !isfinite(v)) {
+        snprintf(err, errlen, "--set %s=%s: not a finite number", key, hp->values[i]);
+        return -1;
+    }
+    *out = (float)v;
+    return 0;
+}
+
+int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen) {
+    return get_int(hp, key, out, 1, err, errlen);
+}
+int cb_hp_int_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen) {
+    return get_int(hp, key, out, 0, err, errlen);
+}
+int cb_hp_float(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen) {
+    return get_float(hp, key, out, 1, err, errlen);
+}
+int cb_hp_float_opt(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen) {
+    return get_float(hp, key, out, 0, err, errlen);
+}
+
+int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen) {
+    int i = find(hp, key);
+    if (i < 0) return 0;
+    mark_used(hp, key);
+    const char *v = hp->values[i];
+    if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "True")) *out = 1;
+    else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "False")) *out = 0;
+    else {
+        snprintf(err, errlen, "--set %s=%s: not a boolean (true/false/1/0)", key, v);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,63 @@
+/* kernels_avx512.c: AVX-512F instantiation of kernels_simd.h (one 16-lane register per accumulator; the
+ * reduction tree folds 512 -> 256 -> 128 bits exactly as the AVX2 and scalar paths do). Compiled with target
+ * attributes, so the file builds with plain `cc -O2`; it only runs when the dispatcher has checked the CPU.
+ *
+ * CB_AVX512_ON_AVX2 (tests only): build the same tile shapes on AVX2 registers under the suffix _avx512_on_avx2,
+ * so a machine without AVX-512 still checks everything but the primitives below. */
+#include "kernels_impl.h"
+
+#if CB_HAVE_X86_KERNELS
+#include <immintrin.h>
+
+#define MV_ROWS 4
+#define MM_ROWS 4
+#define MM_INPUTS 4
+
+#ifndef CB_AVX512_ON_AVX2
+
+#define CB_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+#define CB_SUFFIX _avx512
+
+typedef __m512 V16;
+
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_load_f32(const float *p) {
+    return _mm512_loadu_ps(p);
+}
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_load_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_fma(V16 w, V16 x, V16 acc) {
+    return _mm512_fmadd_ps(w, x, acc);
+}
+static inline __attribute__((always_inline)) CB_TARGET void v16_store(float *p, V16 v) { _mm512_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);                                           /* s8[i] = l[i] + l[i+8] */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* s8[i] + s8[i+4] */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                            /* s4[i] + s4[i+2] */
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));                        /* s2[0] + s2[1] */
+    return _mm_cvtss_f32(s1);
+}
+
+#else /* CB_AVX512_ON_AVX2 */
+
+#define CB_TARGET __attribute__((target("avx2,fma,f16c")))
+#define CB_SUFFIX _avx512_on_avx2
+
+#include "kernels_v16_avx2.h"
+
+void cb_rows_avx512_on_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n,
+                            int r0, int r1, int cols);
+void cb_convert_avx512_on_avx2(float *out, const void *in, cb_dtype dt, size_t n);
+
+#endif /* CB_AVX512_ON_AVX2 */
+
+#include "kernels_simd.h"
+
+#endif

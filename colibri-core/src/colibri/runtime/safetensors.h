@@ -1,0 +1,57 @@
+/* safetensors.h: an index of every tensor in a checkpoint directory, read from the shard headers.
+ *
+ * The index validates each header against its file (offsets inside the data section, byte counts equal to
+ * dtype size x shape) so a truncated or corrupted shard is reported by name before any weight is used.
+ */
+#ifndef COLIBRI_SAFETENSORS_H
+#define COLIBRI_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#define CB_MAX_DIMS 8
+
+typedef struct {
+    char *name;
+    int shard;                 /* index into cb_st_index.shard_paths / fds */
+    int supported;             /* dtype is one the kernels take (F32, BF16, F16) */
+    cb_dtype dtype;
+    char dtype_name[16];
+    int ndim;
+    int64_t shape[CB_MAX_DIMS];
+    uint64_t offset;           /* absolute byte offset in the shard file */
+    uint64_t nbytes;
+} cb_tensor;
+
+typedef struct {
+    int n_shards;
+    char **shard_paths;
+    int *fds;
+    int n_tensors;
+    cb_tensor *tensors;
+    int *table;                /* open-addressing hash of tensor names -> index, size table_size */
+    int table_size;
+} cb_st_index;
+
+/* Open model_dir/model.safetensors.index.json (its weight_map's shards) or else every *.safetensors in the
+ * directory, and index all tensors. Returns 0, or -1 with a message naming the file and the problem. */
+int cb_st_open(cb_st_index *idx, const char *model_dir, char *err, size_t errlen);
+void cb_st_close(cb_st_index *idx);
+
+const cb_tensor *cb_st_find(const cb_st_index *idx, const char *name);
+
+/* Look a tensor up and check its dtype is supported and its shape equals dims[0..ndim) (a 1-D expectation
+ * also accepts nothing else). Returns NULL with a message naming the tensor when any check fails. */
+const cb_tensor *cb_st_expect(const cb_st_index *idx, const char *name, int ndim, const int64_t *dims,
+                              char *err, size_t errlen);
+
+/* pread exactly n bytes at offset from a shard (retrying short reads). Returns 0 or -1 with a message. */
+int cb_st_pread(const cb_st_index *idx, int shard, void *dst, uint64_t n, uint64_t offset, char *err,
+                size_t errlen);
+
+/* Allocate a 64-byte aligned buffer and read the whole tensor into it. NULL with a message on failure. */
+void *cb_st_load(const cb_st_index *idx, const cb_tensor *t, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,16 @@
+"""``coli serve``: an OpenAI- and Anthropic-compatible HTTP API over one persistent engine.
+
+Modules, one job each: ``config`` (settings), ``app`` (routes, key gate, body limit, CORS, error envelopes),
+``validation`` (request bodies → :class:`~.validation.GenerationSpec`), ``generation`` (one request's life:
+slot, submit, events → text), ``scheduler`` (KV slots + bounded FIFO queue), ``engine_host`` (load, watch,
+restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing and disconnects),
+``metrics`` (Prometheus text), ``auth`` (API key), ``codec`` (tokenizer + chat template),
+``openai_routes`` / ``anthropic_routes`` (the two dialects).
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .config import ServerConfig
+
+__all__ = ["ServerConfig", "create_app"]

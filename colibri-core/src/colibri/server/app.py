@@ -1,0 +1,197 @@
+"""The ASGI application: routes, the key gate, body limits, CORS, and one error envelope per dialect.
+
+Layering, outermost first: CORS (only with ``--cors-origin``; answers preflights) → the gate (API key, declared
+body size) → the router. Every route's failure is an :class:`APIError` rendered in the envelope its clients
+parse (OpenAI's, or Anthropic's on ``/v1/messages``); an unexpected exception is logged and answered with a 500
+in the same envelope, never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from . import anthropic_routes, openai_routes
+from .auth import check_key
+from .config import ServerConfig
+from .engine_host import EngineHost, EngineLike
+from .errors import APIError, dialect_of
+from .generation import Codec, Services
+from .metrics import Metrics
+from .scheduler import SlotScheduler
+from .validation import parse_json_body
+
+log = logging.getLogger("colibri.server")
+
+
+def error_response(error: APIError, path: str) -> Response:
+    return Response(error.body_for(dialect_of(path)), status_code=error.status, media_type="application/json",
+                    headers=error.headers)
+
+
+async def read_limited_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) past ``limit`` bytes without buffering more than that."""
+    too_large = APIError(413, f"request body exceeds the {limit}-byte limit (--max-body)", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "client disconnected while sending the body", code="client_disconnected") from None
+    return b"".join(chunks)
+
+
+def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
+    """Wrap a route: APIError → its envelope; anything unexpected → logged 500; count every response."""
+
+    async def endpoint(request: Request):
+        metrics: Metrics = request.app.state.metrics
+        try:
+            response = await handler(request)
+        except APIError as error:
+            if error.status in (413, 429, 503):
+                metrics.rejected(error.code or str(error.status))
+            response = error_response(error, request.url.path)
+        except Exception:
+            log.exception("unexpected error serving %s", request.url.path)
+            response = error_response(APIError(500, "internal server error; see the server log",
+                                               code="internal_error"), request.url.path)
+        metrics.count_response(route, getattr(response, "status_code", 200))
+        return response
+
+    return endpoint
+
+
+class Gate:
+    """ASGI middleware: the API key on every route but /health, and an early 413 on a declared oversize body."""
+
+    def __init__(self, app, config: ServerConfig):
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        try:
+            check_key(self.config.api_key, headers, path)
+            declared = headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.config.max_body:
+                raise APIError(413, f"request body exceeds the {self.config.max_body}-byte limit (--max-body)",
+                               code="request_too_large")
+        except APIError as error:
+            await _drain(receive, self.config.max_body)
+            await error_response(error, path)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _drain(receive, limit: int) -> None:
+    """Read (and drop) a bounded part of the body first: closing on unread data makes the kernel send a reset,
+    which can destroy the error response before the client reads it."""
+    budget = 64 * max(limit, 1024 * 1024)
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], codec: Codec,
+               on_fatal: Callable[[str], None] | None = None, tools_supported: bool = False) -> Starlette:
+    """Build the app; the engine starts loading when the app starts (``/health`` is 503 until it is ready)."""
+    metrics = Metrics()
+    host = EngineHost(engine_factory, on_fatal=on_fatal)
+    scheduler = SlotScheduler(config.kv_slots, config.max_queue, config.queue_timeout)
+    services = Services(host=host, scheduler=scheduler, codec=codec, metrics=metrics, ctx=config.ctx,
+                        queue_timeout=config.queue_timeout)
+
+    async def health(request: Request) -> JSONResponse:
+        body: dict[str, Any] = {"status": "ok" if host.ready else host.state, "model": config.model_id}
+        if host.ready:
+            body.update(slots=config.kv_slots, slots_busy=scheduler.busy, queued=scheduler.queued,
+                        restarts=host.restarts)
+        else:
+            body["detail"] = host.detail or ("loading the model" if host.state == "loading" else host.state)
+        return JSONResponse(body, status_code=200 if host.ready else 503)
+
+    async def metrics_route(request: Request) -> PlainTextResponse:
+        gauges = {
+            "queue_depth": ("requests waiting for a KV slot", scheduler.queued),
+            "slots_busy": ("KV slots holding a running sequence", scheduler.busy),
+            "slots_total": ("KV slots (--kv-slots)", config.kv_slots),
+            "engine_up": ("1 when the engine is loaded and serving", 1 if host.ready else 0),
+            "engine_restarts": ("times the engine was restarted after dying", host.restarts),
+        }
+        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+    async def read_json(request: Request) -> dict:
+        return parse_json_body(await read_limited_body(request, config.max_body))
+
+    routes = [
+        Route("/health", _endpoint("health", health), methods=["GET"]),
+        Route("/metrics", _endpoint("metrics", metrics_route), methods=["GET"]),
+        Route("/v1/models", _endpoint("models", openai_routes.list_models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _endpoint("models", openai_routes.get_model), methods=["GET"]),
+        Route("/v1/chat/completions", _endpoint("chat", openai_routes.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _endpoint("completions", openai_routes.completions), methods=["POST"]),
+        Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
+    ]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            error = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                             code="method_not_allowed")
+        elif exc.status_code == 404:
+            error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
+                                  f"/v1/completions, /v1/messages, /health, /metrics", code="not_found")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), code="http_error")
+        return error_response(error, request.url.path)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        host.start()
+        try:
+            yield
+        finally:
+            await host.close()
+
+    middleware = []
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["authorization", "content-type", "x-api-key",
+                                                    "anthropic-version", "openai-organization"]))
+    middleware.append(Middleware(Gate, config=config))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    app.state.config = config
+    app.state.services = services
+    app.state.metrics = metrics
+    app.state.host = host
+    app.state.read_json = read_json
+    app.state.tools_supported = tools_supported
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,27 @@
+"""The server's settings, as ``coli serve`` collects them from flags and the environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_KV_SLOTS = 1
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+DEFAULT_MAX_BODY = 1024 * 1024
+API_KEY_ENV = "COLI_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str                          # the name /v1/models lists (the model directory's name)
+    ctx: int                               # tokens per slot
+    kv_slots: int = DEFAULT_KV_SLOTS
+    max_queue: int = DEFAULT_MAX_QUEUE
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body: int = DEFAULT_MAX_BODY
+    family: str = ""
+    created: int = 0                       # unix time the server started (the model's "created")

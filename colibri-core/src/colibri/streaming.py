@@ -1,0 +1,72 @@
+"""Streaming one reply from an engine as text, with Ctrl-C meaning "stop this reply", and the stats line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .detok import IncrementalDetokenizer
+from .engine import Engine
+from .tokenizer import TextTokenizer
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Reply:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    accept: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def stream_reply(engine: Engine, tok: TextTokenizer, prompt_ids: Sequence[int], *, write: Callable[[str], None],
+                 slot: int = 0, max_tokens: int = 256, stop: Sequence[int] = (), **sampling: Any) -> Reply:
+    """Submit, write text as it becomes stable, return the reply. Ctrl-C cancels the request and still waits for
+    the engine's ``done`` (so the slot is free and the stats are real) instead of killing the program."""
+    detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip_special_tokens=True), skip_ids=stop)
+    req = engine.submit(prompt_ids, slot=slot, max_tokens=max_tokens, stop=stop, **sampling)
+    reply = Reply()
+    seen = 0
+    while not req.finished:
+        try:
+            # After a cancel the engine still answers promptly; the timeout only guards against a lost event.
+            for _ in req.events(timeout=DRAIN_TIMEOUT_S if reply.interrupted else None):
+                while seen < len(req.tokens):
+                    piece = detok.push(req.tokens[seen])
+                    seen += 1
+                    if piece and not reply.interrupted:
+                        write(piece)
+        except KeyboardInterrupt:
+            if not reply.interrupted:
+                reply.interrupted = True
+                req.cancel()
+    rest = detok.flush()
+    if rest and not reply.interrupted:
+        write(rest)
+    reply.tokens, reply.text, reply.accept, reply.stats = list(req.tokens), detok.text, req.accept, req.stats
+    return reply
+
+
+def _rate(value: Any) -> str:
+    return f"{float(value):.1f} tok/s" if isinstance(value, (int, float)) else "? tok/s"
+
+
+def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> str:
+    """One line: prefill and decode speed, expert hit rate, bytes read from disk, engine RSS."""
+    from .console import human_bytes
+
+    prefilled = stats.get("prefilled_tokens", stats.get("prompt_tokens", 0))
+    reused = (accept or {}).get("reused_tokens", max(0, stats.get("prompt_tokens", 0) - prefilled))
+    parts = [f"prefill {prefilled} tok" + (f" (+{reused} reused)" if reused else "") + f" @ {_rate(stats.get('prefill_tps'))}",
+             f"decode {stats.get('generated_tokens', 0)} tok @ {_rate(stats.get('decode_tps'))}"]
+    if "hit_rate" in stats:
+        parts.append(f"expert hit rate {100 * float(stats['hit_rate']):.1f}%")
+    if "bytes_read" in stats:
+        parts.append(f"read {human_bytes(stats['bytes_read'])}")
+    if "rss_bytes" in stats:
+        parts.append(f"RSS {human_bytes(stats['rss_bytes'])}")
+    if stats.get("reason") == "cancelled":
+        parts.append("cancelled")
+    return " · ".join(parts)

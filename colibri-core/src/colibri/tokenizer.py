@@ -1,0 +1,115 @@
+"""A checkpoint's tokenizer: ``tokenizer.json`` via the ``tokenizers`` library, its special tokens, its stop ids
+and its chat template. No transformers, no torch.
+
+Special tokens come from ``tokenizer_config.json`` (a string, or an AddedToken dict with ``content``), filled in
+from the legacy ``special_tokens_map.json``. Stop ids are the union of ``generation_config.json``'s and
+``config.json``'s ``eos_token_id`` (an int or a list) and the id of the tokenizer's ``eos_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from . import chat_template as ct
+from .errors import ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+@dataclass
+class TextTokenizer:
+    """Text <-> ids for one checkpoint, plus what prompts need: special tokens, stop ids, chat template."""
+
+    backend: Any                                   # tokenizers.Tokenizer
+    special_tokens: dict[str, str]                 # bos_token, eos_token, ... as transformers names them
+    stop_ids: tuple[int, ...]
+    templates: dict[str, ct.ChatTemplate] = field(default_factory=dict)
+    source: Path | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return self.backend.token_to_id(bos) if bos else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.templates)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As ``tokenizer(text).input_ids``: the tokenizer's own post-processor adds BOS and the like."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    template: str | None = None, **kwargs: Any) -> str:
+        chosen = ct.select_template(self.templates, template, with_tools=kwargs.get("tools") is not None)
+        if chosen is None:
+            raise ConfigError(f"{self.source}: the checkpoint has no chat template", "use --raw for plain text")
+        return ct.render(chosen, messages, special_tokens=self.special_tokens,
+                         add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """As ``apply_chat_template(..., tokenize=True)``: the rendered text already holds its special tokens."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+
+def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None) -> TextTokenizer:
+    """The tokenizer of a plain Hugging Face checkpoint directory."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / TOKENIZER_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path}: no tokenizer.json in the checkpoint",
+                          "copy tokenizer.json from the original model repository into the directory")
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ConfigError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0] if str(exc) else exc})",
+                          "restore tokenizer.json from the original checkpoint") from None
+
+    tok_config = ct.read_json_file(model_dir / ct.TOKENIZER_CONFIG) or {}
+    legacy_map = ct.read_json_file(model_dir / "special_tokens_map.json") or {}
+    special: dict[str, str] = {}
+    for name in ct.SPECIAL_TOKEN_NAMES:
+        text = _token_text(tok_config.get(name))
+        if text is None:
+            text = _token_text(legacy_map.get(name))
+        if text is not None:
+            special[name] = text
+
+    stop: list[int] = []
+    gen_config = ct.read_json_file(model_dir / "generation_config.json") or {}
+    for source in (gen_config, config or {}, (config or {}).get("text_config") or {}):
+        stop += _ids(source.get("eos_token_id"))
+    eos = special.get("eos_token")
+    if eos is not None and backend.token_to_id(eos) is not None:
+        stop.append(backend.token_to_id(eos))
+    templates = ct.available_templates(model_dir, tok_config)
+    return TextTokenizer(backend, special, tuple(dict.fromkeys(stop)), templates, path)

@@ -1,0 +1,224 @@
+"""One test per hook (``test_hook_<name>``): the family's answer is used, core's default applies otherwise,
+and model hooks are answered only by the family that claimed the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from colibri import hookimpl, plugins
+from colibri.checkpoint import TensorIndex
+from colibri.doctor import family_source
+from colibri.errors import FamilyError
+from colibri.inventory import geometry_of, load_facts
+from colibri.model import resolve_model
+from colibri.records import (
+    Claim,
+    ConverterSpec,
+    EngineEnv,
+    EngineSource,
+    FamilyDescriptor,
+    Limits,
+    PlanRequest,
+    ShardSet,
+)
+
+
+class Other:
+    """A second family that answers every model hook with junk: it must never be consulted for OLMoE."""
+
+    @hookimpl
+    def describe_family(self):
+        return FamilyDescriptor("other", ("othermoe",), "another family")
+
+    @hookimpl
+    def detect_config(self, model_dir, config):
+        return Claim("other", "othermoe") if config and config.get("model_type") == "othermoe" else None
+
+    @hookimpl
+    def model_geometry(self, model):
+        raise AssertionError("asked the wrong family")
+
+    @hookimpl
+    def tensor_layout(self, model):
+        raise AssertionError("asked the wrong family")
+
+    @hookimpl
+    def limits(self, model):
+        raise AssertionError("asked the wrong family")
+
+    @hookimpl
+    def engine_source(self):
+        return EngineSource("colibri-other", (Path("/nonexistent/other.c"),))
+
+    @hookimpl
+    def build_env(self, model, plan):
+        raise AssertionError("asked the wrong family")
+
+
+@pytest.fixture
+def two_families(olmoe_family):
+    plugins.register(Other(), "other")
+    return olmoe_family
+
+
+@pytest.fixture
+def olmoe(two_families, tiny_olmoe):
+    return resolve_model(tiny_olmoe.path)
+
+
+def test_hook_describe_family(two_families):
+    answers = plugins.manager().hook.describe_family()
+    by_name = {d.name: d for d in answers}
+    assert by_name["testolmoe"].model_types == ("olmoe",)
+    assert by_name["other"].model_types == ("othermoe",)
+
+
+def test_hook_detect_config(two_families, tiny_olmoe, tmp_path):
+    config = json.loads((tiny_olmoe.path / "config.json").read_text())
+    claims = [c for c in plugins.manager().hook.detect_config(model_dir=tiny_olmoe.path, config=config) if c]
+    assert claims == [Claim("testolmoe", "olmoe", "model_type")]
+
+    class MarkerFamily:
+        """Claims directories without config.json by a marker file, as pipeline families do."""
+
+        @hookimpl
+        def detect_config(self, model_dir, config):
+            return Claim("marker", "pipeline") if config is None and (model_dir / "model_index.json").exists() \
+                else None
+
+    plugins.register(MarkerFamily(), "marker")
+    (tmp_path / "model_index.json").write_text("{}")
+    model = resolve_model(tmp_path)
+    assert (model.family, model.model_type, dict(model.config)) == ("marker", "pipeline", {})
+
+
+def test_hook_model_geometry(olmoe, family_class):
+    geometry = plugins.family_hook("testolmoe", "model_geometry")(model=olmoe)
+    assert geometry.num_experts == olmoe.config["num_experts"] and geometry.top_k == olmoe.config[
+        "num_experts_per_tok"]
+
+    class NoGeometry:
+        @hookimpl
+        def detect_config(self, model_dir, config):
+            return Claim("nogeo", "olmoe")
+
+    plugins.reset()
+    plugins.register(NoGeometry(), "nogeo")
+    with pytest.raises(FamilyError, match="model_geometry"):
+        geometry_of(resolve_model(olmoe.path))
+
+
+def test_hook_tensor_layout(olmoe):
+    layout = plugins.family_hook("testolmoe", "tensor_layout")(model=olmoe)
+    layers, experts = olmoe.config["num_hidden_layers"], olmoe.config["num_experts"]
+    assert len(layout.experts) == layers * experts and len(layout.routers) == layers
+    index = load_facts(olmoe).tensors
+    assert all(name in index for ex in layout.experts for name in ex.tensors)
+
+
+def test_hook_weight_files(olmoe_family, olmoe_copy, surgery, family_class):
+    model = resolve_model(olmoe_copy)
+    (single,) = plugins.family_hook("testolmoe", "weight_files")(model=model)
+    assert single.files == (olmoe_copy / "model.safetensors",) and single.index_file is None
+    surgery.shard(olmoe_copy, 2)
+    (sharded,) = plugins.family_hook("testolmoe", "weight_files")(model=model)
+    assert sharded.index_file == olmoe_copy / "model.safetensors.index.json" and len(sharded.files) == 2
+
+    class Prefixed(family_class):
+        @hookimpl
+        def weight_files(self, model):
+            return (ShardSet(model.path, tuple(sorted(model.path.glob("*.safetensors"))), None, "lm/"),)
+
+    plugins.reset()
+    plugins.register(Prefixed(), "testolmoe")
+    (custom,) = plugins.family_hook("testolmoe", "weight_files")(model=model)
+    assert custom.prefix == "lm/" and "lm/model.norm.weight" in TensorIndex((custom,))
+
+
+def test_hook_limits(olmoe):
+    limits = plugins.family_hook("testolmoe", "limits")(model=olmoe)
+    assert isinstance(limits, Limits) and limits.max_context == olmoe.config["max_position_embeddings"]
+    assert plugins.family_hook("other", "limits")(model=olmoe) is not limits  # answered by "other" only
+
+
+def test_hook_engine_source(two_families):
+    assert family_source("other") == EngineSource("colibri-other", (Path("/nonexistent/other.c"),))
+    assert family_source("testolmoe") is None  # never another family's answer
+
+
+def test_hook_engine_path(olmoe, family_class, tmp_path):
+    binary = tmp_path / "colibri-prebuilt"
+
+    class Prebuilt(family_class):
+        @hookimpl
+        def engine_path(self, model):
+            return binary
+
+    plugins.reset()
+    plugins.register(Prebuilt(), "testolmoe")
+    assert plugins.family_hook("testolmoe", "engine_path")(model=olmoe) == binary
+
+
+def test_hook_build_env(olmoe, family_class):
+    plan = load_plan(olmoe)
+    assert plugins.family_hook("testolmoe", "build_env")(model=olmoe, plan=plan) == EngineEnv()
+
+    class WithEnv(family_class):
+        @hookimpl
+        def build_env(self, model, plan):
+            return EngineEnv(args=("--set", f"experts={model.config['num_experts']}"))
+
+    plugins.reset()
+    plugins.register(WithEnv(), "testolmoe")
+    env = plugins.family_hook("testolmoe", "build_env")(model=olmoe, plan=plan)
+    assert env.args == ("--set", f"experts={olmoe.config['num_experts']}")
+
+
+def test_hook_plan_resources_only_the_claiming_family(olmoe):
+    """(the planner arithmetic is in test_planner.py) the other family's plan_resources is never consulted."""
+    plan = load_plan(olmoe)
+    assert plan.moe_layers == olmoe.config["num_hidden_layers"]
+
+
+def test_hook_converter_spec(olmoe, family_class):
+    spec = plugins.family_hook("testolmoe", "converter_spec")(model=olmoe)
+    assert isinstance(spec, ConverterSpec)
+    assert "model.embed_tokens.weight" in spec.dense_matrices
+    assert not any(".mlp.gate." in n or "norm" in n for n in spec.dense_matrices)
+
+    class Restricted(family_class):
+        @hookimpl
+        def converter_spec(self, model):
+            return ConverterSpec(expert_schemes=("int8",), dense_schemes=(), dense_matrices=())
+
+    plugins.reset()
+    plugins.register(Restricted(), "testolmoe")
+    assert plugins.family_hook("testolmoe", "converter_spec")(model=olmoe).expert_schemes == ("int8",)
+
+
+def test_hook_load_tokenizer(olmoe, family_class):
+    tokenizer = plugins.family_hook("testolmoe", "load_tokenizer")(model=olmoe)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == "hello world"
+
+    sentinel = object()
+
+    class OwnTokenizer(family_class):
+        @hookimpl
+        def load_tokenizer(self, model):
+            return sentinel
+
+    plugins.reset()
+    plugins.register(OwnTokenizer(), "testolmoe")
+    assert plugins.family_hook("testolmoe", "load_tokenizer")(model=olmoe) is sentinel
+
+
+def load_plan(model):
+    facts = load_facts(model)
+    return plugins.family_hook(model.family, "plan_resources")(
+        model=model, request=PlanRequest(1 << 30, 128), geometry=facts.geometry, layout=facts.layout,
+        tensors=facts.tensors)

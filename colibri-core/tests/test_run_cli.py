@@ -1,0 +1,135 @@
+"""``coli run`` end to end against the fake engine: prompt ids, streamed text, stats, JSON, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from colibri import plugins
+from colibri.cli import app
+from colibri.demo_tokenizer import stdlib_texts, train_bpe
+from colibri.tokenizer import load_tokenizer_dir
+
+from fakefamily import MAX_CONTEXT, install_engine_wrapper, make_checkpoint, register
+
+
+def expected_tokens(prompt, n, vocab, stop=()):
+    out = []
+    for i in range(n):
+        tok = (sum(prompt) * 31 + i * 7 + 3) % vocab
+        out.append(tok)
+        if tok in stop:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_bpe(stdlib_texts(200_000), 700)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch, trained):
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))
+    monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
+    plugins.reset()
+    register()
+    model = make_checkpoint(tmp_path / "model", trained)
+    yield model
+    plugins.reset()
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_json_raw_prompt_ids_and_generated_ids(fake):
+    tok = load_tokenizer_dir(fake)
+    res = invoke("run", "def hello(world):", "--model", fake, "--raw", "--json", "--max-tokens", 12,
+                 "--temp", 0, "--ctx", 128, "--ram", 1)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["mode"] == "raw"
+    assert data["prompt_ids"] == tok.encode("def hello(world):")
+    vocab = tok.vocab_size
+    want = expected_tokens(data["prompt_ids"], 12, vocab, stop=tok.stop_ids)
+    assert data["generated_ids"] == want
+    assert data["text"] == tok.decode([t for t in want if t not in tok.stop_ids], skip_special_tokens=True)
+    assert data["stats"]["hit_rate"] == 0.75 and data["stats"]["generated_tokens"] == len(want)
+    assert data["ctx"] == 128 and data["sampling"]["temperature"] == 0.0
+    assert data["cap"] == 4                        # 1 GiB holds every fake expert
+
+
+def test_chat_mode_uses_the_template_and_streams_text(fake):
+    tok = load_tokenizer_dir(fake)
+    res = invoke("run", "Grüß dich", "--model", fake, "--max-tokens", 8, "--temp", 0, "--ctx", 128)
+    assert res.exit_code == 0, res.output
+    rendered = tok.render_chat([{"role": "user", "content": "Grüß dich"}])
+    ids = tok.encode(rendered, add_special_tokens=False)
+    want = expected_tokens(ids, 8, tok.vocab_size, stop=tok.stop_ids)
+    text = tok.decode([t for t in want if t not in tok.stop_ids], skip_special_tokens=True)
+    assert res.stdout == text + ("" if text.endswith("\n") else "\n")
+    line = res.stderr.strip().splitlines()[-1]
+    assert "prefill" in line and "tok/s" in line and "expert hit rate 75.0%" in line and "RSS 50.00 MiB" in line and "decode 8 tok @ 100.0 tok/s" in line
+
+
+def test_no_template_falls_back_with_a_notice(fake, trained, tmp_path):
+    bare = make_checkpoint(tmp_path / "bare", trained, chat_template=None)
+    res = invoke("run", "hello", "--model", bare, "--json", "--max-tokens", 2)
+    assert res.exit_code == 0, res.output
+    assert "no chat template" in res.stderr
+    assert json.loads(res.stdout)["mode"] == "raw"
+
+
+def test_prompt_file(fake, tmp_path):
+    good = tmp_path / "p.txt"
+    good.write_text("from a file ✓", encoding="utf-8")
+    res = invoke("run", "--prompt-file", good, "--model", fake, "--raw", "--json", "--max-tokens", 1)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["prompt_ids"] == load_tokenizer_dir(fake).encode("from a file ✓")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    res = invoke("run", "--prompt-file", bad, "--model", fake)
+    assert res.exit_code == 1
+    err = res.stderr.strip()
+    assert err.count("\n") == 0 and "latin1.txt" in err and "not UTF-8" in err and "0xe9 at offset 3" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ctx", MAX_CONTEXT + 1], f"--ctx {MAX_CONTEXT + 1} exceeds"),
+    (["--ctx", 0], "--ctx 0"),
+    (["--temp", -1], "--temp -1"),
+    (["--top-p", 0], "--top-p 0"),
+    (["--ram", 0.00001], "does not fit"),
+    (["--cap", -2], "--cap -2"),
+])
+def test_flags_past_limits_are_refused(fake, args, needle):
+    res = invoke("run", "hi", "--model", fake, *args)
+    assert res.exit_code == 1
+    assert needle in res.stderr and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
+
+
+def test_usage_errors(fake):
+    res = invoke("run", "--model", fake)
+    assert res.exit_code == 1 and "no prompt given" in res.stderr
+    res = invoke("run", "x", "--model", fake, "--prompt-file", "/dev/null")
+    assert res.exit_code == 1 and "both a PROMPT and --prompt-file" in res.stderr
+
+
+def test_max_tokens_is_clamped_to_the_context(fake):
+    res = invoke("run", "hi", "--model", fake, "--raw", "--json", "--ctx", 16, "--max-tokens", 1000, "--temp", 0)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert "clamped" in res.stderr
+    assert len(data["generated_ids"]) <= 16 - len(data["prompt_ids"])
+
+
+def test_engine_death_is_one_line(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "sigkill_on_load")
+    res = invoke("run", "hi", "--model", fake, "--ram", 1)
+    assert res.exit_code == 1
+    assert "SIGKILL while loading" in res.stderr and "OOM killer" in res.stderr and res.stderr.count("\n") == 1

@@ -1,0 +1,3 @@
+"""colibri family plugin: OLMoE."""
+
+__version__ = "0.1.0"

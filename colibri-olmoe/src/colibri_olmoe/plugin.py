@@ -1,0 +1,155 @@
+"""colibri family plugin for OLMoE (``model_type: olmoe``).
+
+OLMoE-1B-7B: every layer is MoE (softmax router over all experts, top-k, renormalised only with
+``norm_topk_prob``), attention is MHA/GQA with RoPE and q/k RMSNorm over the full projected width, no shared
+experts and no dense layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from colibri import configs, hookimpl
+from colibri.errors import ConfigError
+from colibri.records import (
+    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    TensorLayout,
+)
+
+FAMILY = "olmoe"
+MODEL_TYPES = ("olmoe",)
+F32 = 4  # the engine keeps its KV cache in f32
+
+
+@hookimpl
+def describe_family() -> FamilyDescriptor:
+    return FamilyDescriptor(FAMILY, MODEL_TYPES, "OLMoE (AllenAI) sparse MoE decoders, e.g. OLMoE-1B-7B")
+
+
+@hookimpl
+def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    model_type = config.get("model_type") if config else None
+    if model_type in MODEL_TYPES:
+        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
+    return None
+
+
+def _where(model: ResolvedModel) -> str:
+    return str(model.path / "config.json")
+
+
+def _dims(cfg: Mapping[str, Any], where: str) -> dict[str, int]:
+    hidden = configs.require_int(cfg, "hidden_size", where=where, minimum=1)
+    heads = configs.require_int(cfg, "num_attention_heads", where=where, minimum=1)
+    return dict(
+        layers=configs.require_int(cfg, "num_hidden_layers", where=where, minimum=1),
+        hidden=hidden,
+        vocab=configs.require_int(cfg, "vocab_size", where=where, minimum=1),
+        heads=heads,
+        kv_heads=configs.optional_int(cfg, "num_key_value_heads", default=heads, where=where),
+        head_dim=configs.optional_int(cfg, "head_dim", default=hidden // heads, where=where),
+        experts=configs.require_int(cfg, *configs.EXPERT_COUNT_FIELDS, where=where, minimum=1),
+        top_k=configs.require_int(cfg, *configs.TOP_K_FIELDS, where=where, minimum=1),
+        expert_width=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
+    )
+
+
+@hookimpl
+def model_geometry(model: ResolvedModel) -> Geometry:
+    cfg, where = model.text_config, _where(model)
+    d = _dims(cfg, where)
+    rope = configs.rope(cfg)
+    clip = cfg.get("clip_qkv")
+    return Geometry(
+        model_type=model.model_type, architecture="OLMoE decoder", attention="MHA/GQA + RoPE, q/k RMSNorm",
+        num_layers=d["layers"], hidden_size=d["hidden"], vocab_size=d["vocab"], num_heads=d["heads"],
+        num_kv_heads=d["kv_heads"], head_dim=d["head_dim"], num_experts=d["experts"], top_k=d["top_k"],
+        expert_intermediate=d["expert_width"], num_shared_experts=0, moe_layers=tuple(range(d["layers"])),
+        dense_layers=(), max_context=configs.max_context(cfg),
+        kv_bytes_per_token=2 * d["kv_heads"] * d["head_dim"] * F32 * d["layers"],
+        notes=(("router", "softmax top-k" + (", renormalised" if cfg.get("norm_topk_prob") else "")),
+               ("rope theta", f"{rope.theta:g}"),
+               ("clip_qkv", "off" if clip is None else f"{clip:g}")),
+    )
+
+
+@hookimpl
+def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    cfg, where = model.text_config, _where(model)
+    d = _dims(cfg, where)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    bias = bool(cfg.get("attention_bias", False))
+    norms = ["model.norm.weight"]
+    routers, experts, required = [], [], []
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                  p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            required.append(f"{p}self_attn.{proj}.weight")
+            if bias:
+                required.append(f"{p}self_attn.{proj}.bias")
+        routers.append((i, p + "mlp.gate.weight"))
+        for e in range(d["experts"]):
+            q = f"{p}mlp.experts.{e}."
+            experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
+    embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+    return TensorLayout(embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
+                        routers=tuple(routers), experts=tuple(experts), required=tuple(required))
+
+
+@hookimpl
+def limits(model: ResolvedModel) -> Limits:
+    return Limits(max_context=configs.max_context(model.text_config), has_engine=True)
+
+
+ENGINE_C = Path(__file__).parent / "engine" / "olmoe.c"
+# RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@hookimpl
+def engine_source() -> EngineSource:
+    return EngineSource(name="colibri-olmoe", sources=(ENGINE_C,))
+
+
+def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
+    """The ``--set key=value`` arguments of the OLMoE engine, resolved from config.json."""
+    cfg, where = model.text_config, _where(model)
+    d = _dims(cfg, where)
+    rope = configs.rope(cfg)
+    if rope.rope_type not in ENGINE_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the olmoe engine",
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
+    eps = cfg.get("rms_norm_eps", 1e-5)
+    values: dict[str, Any] = dict(
+        hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"], intermediate_size=d["expert_width"],
+        num_experts=d["experts"], num_experts_per_tok=d["top_k"], vocab_size=d["vocab"],
+        rms_norm_eps=repr(float(eps)), norm_topk_prob=int(bool(cfg.get("norm_topk_prob", False))),
+        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
+        attention_bias=int(bool(cfg.get("attention_bias", False))),
+        rope_theta=repr(rope.theta), rope_type=rope.rope_type,
+    )
+    if rope.partial_rotary_factor != 1.0:
+        values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
+    scaling = rope.scaling or {}
+    if rope.rope_type in ("linear", "llama3"):
+        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    clip = cfg.get("clip_qkv")
+    if clip is not None:
+        values["clip_qkv"] = repr(float(clip))
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv(args=engine_hparams(model))

@@ -1,0 +1,91 @@
+/* bench_kernels.c: matvec/matmul throughput per ISA, as GB/s of weight bytes read. Not a test: it never asserts,
+ * and the numbers are only meaningful on an otherwise idle machine. */
+#define _POSIX_C_SOURCE 199309L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Repeats until ~0.3 s have passed; returns seconds per call. */
+static double time_matmul(float *Y, const void *W, cb_dtype dt, const float *X, int n, int rows, int cols) {
+    cb_matmul(Y, W, dt, X, n, rows, cols);
+    int reps = 0;
+    double start = now(), elapsed;
+    do {
+        cb_matmul(Y, W, dt, X, n, rows, cols);
+        reps++;
+        elapsed = now() - start;
+    } while (elapsed < 0.3);
+    return elapsed / reps;
+}
+
+int main(int argc, char **argv) {
+    int max_threads = argc > 1 ? atoi(argv[1]) : 0;
+    static const int shapes[][2] = {{2048, 1024}, {1024, 2048}, {4096, 4096}, {50304, 2048}};
+    static const cb_dtype dtypes[] = {CB_F32, CB_BF16, CB_F16};
+    static const char *dtype_names[] = {"f32", "bf16", "f16"};
+    size_t max_elems = (size_t)50304 * 2048;
+    float *Wf = malloc(max_elems * sizeof(float));
+    for (size_t i = 0; i < max_elems; i++) Wf[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+    uint16_t *Wh = malloc(max_elems * sizeof(uint16_t));
+    for (size_t i = 0; i < max_elems; i++) Wh[i] = (uint16_t)(0x3000 + (i * 40503u) % 0x0c00);  /* finite in both */
+    float *X = malloc(64 * 4096 * sizeof(float)), *Y = malloc((size_t)64 * 50304 * sizeof(float));
+    for (int i = 0; i < 64 * 4096; i++) X[i] = (float)(i % 97) * 0.01f;
+
+    cb_threads_init(max_threads);
+    int threads = cb_threads_count();
+    printf("%-7s %-5s %-12s %7s %9s %9s\n", "isa", "dtype", "shape", "threads", "GB/s", "us/call");
+    for (int isa = CB_ISA_SCALAR; isa <= CB_ISA_AVX512; isa++) {
+        if (cb_set_isa((cb_isa)isa) != 0) {
+            printf("%-7s (not supported by this CPU)\n", cb_isa_name((cb_isa)isa));
+            continue;
+        }
+        for (int d = 0; d < 3; d++) {
+            for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                int rows = shapes[s][0], cols = shapes[s][1];
+                if (isa == CB_ISA_SCALAR && (size_t)rows * cols > 4u << 20) continue;
+                const void *W = dtypes[d] == CB_F32 ? (const void *)Wf : (const void *)Wh;
+                double bytes = (double)rows * cols * cb_dtype_size(dtypes[d]);
+                int counts[2] = {1, threads};
+                for (int t = 0; t < (threads > 1 ? 2 : 1); t++) {
+                    cb_threads_init(counts[t]);
+                    double sec = time_matmul(Y, W, dtypes[d], X, 1, rows, cols);
+                    char shape[32];
+                    snprintf(shape, sizeof shape, "%dx%d", rows, cols);
+                    printf("%-7s %-5s %-12s %7d %9.2f %9.1f\n", cb_isa_name((cb_isa)isa), dtype_names[d], shape,
+                           counts[t], bytes / sec / 1e9, sec * 1e6);
+                }
+            }
+        }
+        /* matmul: n inputs against one matrix, as n matvecs vs one cb_matmul (weights reused from cache) */
+        for (int d = 1; d < 2; d++) {
+            int rows = 2048, cols = 2048, n = 16;
+            if (isa == CB_ISA_SCALAR) continue;
+            cb_threads_init(threads);
+            double t_mm = time_matmul(Y, Wh, dtypes[d], X, n, rows, cols);
+            double start = now();
+            int reps = 0;
+            do {
+                for (int i = 0; i < n; i++) cb_matvec(Y + (size_t)i * rows, Wh, dtypes[d], X + (size_t)i * cols, rows, cols);
+                reps++;
+            } while (now() - start < 0.3);
+            double t_mv = (now() - start) / reps;
+            printf("%-7s %-5s matmul 2048x2048 n=16, %d threads: %.0f us vs %.0f us as 16 matvecs (%.2fx)\n",
+                   cb_isa_name((cb_isa)isa), dtype_names[d], threads, t_mm * 1e6, t_mv * 1e6, t_mv / t_mm);
+        }
+    }
+    cb_threads_shutdown();
+    free(Wf);
+    free(Wh);
+    free(X);
+    free(Y);
+    return 0;
+}
