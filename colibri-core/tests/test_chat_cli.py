@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -132,6 +134,11 @@ def _read_until(fd: int, pattern: str, timeout: float = 30.0) -> str:
     raise AssertionError(f"timed out waiting for {pattern!r}; got {buf.decode('utf-8', 'replace')!r}")
 
 
+def _take_controlling_tty() -> None:
+    # A new session has no controlling terminal; without one the pty's Ctrl-C would send no SIGINT.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def test_tty_chat_ctrl_c_stops_the_reply_not_the_program(fake, tmp_path):
     env = {**os.environ, "FAKE_TOKEN_DELAY": "0.05", "PYTHONPATH": str(HERE), "HOME": str(tmp_path),
            "TERM": "xterm"}
@@ -139,7 +146,7 @@ def test_tty_chat_ctrl_c_stops_the_reply_not_the_program(fake, tmp_path):
     proc = subprocess.Popen([sys.executable, str(HERE / "fakefamily.py"), "chat", "--model", str(fake),
                              "--temp", "0", "--max-tokens", "200", "--ctx", "256"],
                             stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_take_controlling_tty)
     os.close(slave)
     try:
         _read_until(master, r">>> ")
@@ -154,7 +161,7 @@ def test_tty_chat_ctrl_c_stops_the_reply_not_the_program(fake, tmp_path):
         assert 0 < generated < 200
         os.write(master, b"/exit\r")
         assert proc.wait(timeout=30) == 0
-        assert (tmp_path / ".cache" / "colibri" / "chat_history").read_text().count("/stats") == 1
+        assert (tmp_path / "cache" / "chat_history").read_text().count("/stats") == 1
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -605,7 +605,17 @@ sys.path.insert(0, {tests!r})
 import test_convert as t
 t.register_test_families()
 from colibri.convert import io
+import time
+from colibri.convert import run
 io.CHUNK_BYTES = 4096          # many small writes: kills land mid-tensor as well as between files
+_produce = run.produce
+
+def slow_produce(*a, **k):     # stretch the run so that kills spread over all of it
+    for chunk in _produce(*a, **k):
+        time.sleep(0.002)
+        yield chunk
+
+run.produce = slow_produce
 print("go", flush=True)        # imports done: the parent times its kill from here
 t.run_convert(__import__("pathlib").Path({src!r}), __import__("pathlib").Path({out!r}), experts="int4", dense="int8")
 """

@@ -368,6 +368,36 @@ static void test_thread_counts(cb_isa isa) {
     cb_threads_init(1);
 }
 
+/* The order is part of the contract across machines and compilers, not just within one binary: a digest of
+ * seeded scalar results pins it, so a change to the order (or a compiler that fuses differently) fails here.
+ * The value was produced by this implementation; if the order is changed on purpose, update it and say so. */
+#define GOLDEN_DIGEST 0x0ull
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static void test_golden_digest(void) {
+    static const int shapes[][2] = {{3, 17}, {5, 33}, {7, 100}, {16, 1000}};
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int d = 0; d < 3; d++) {
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            int rows = shapes[s][0], cols = shapes[s][1];
+            seed(1000 + s * 3 + (size_t)d);
+            void *W = random_weights(DTYPES[d], (size_t)rows * cols);
+            float *x = random_vector((size_t)cols), y[16];
+            cb_rows_scalar(y, 0, W, DTYPES[d], x, 0, 1, 0, rows, cols);
+            h = fnv1a(h, y, (size_t)rows * sizeof *y);
+            free(W);
+            free(x);
+        }
+    }
+    check(h == GOLDEN_DIGEST, "scalar results digest %#llx, expected %#llx (the summation order changed?)",
+          (unsigned long long)h, (unsigned long long)GOLDEN_DIGEST);
+}
+
 /* ---- thread pool ------------------------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -560,6 +590,7 @@ int main(void) {
     test_bf16_rounding();
     test_thread_pool();
     test_scalar_is_a_dot_product();
+    test_golden_digest();
     test_rmsnorm();
     test_softmax();
     test_silu_mul();

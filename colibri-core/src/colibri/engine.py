@@ -135,8 +135,10 @@ class Engine:
         self._loaded = False
         full_env = {**os.environ, **(env or {})}
         try:
+            # A session of its own: the terminal's Ctrl-C is for the CLI (which cancels the reply), not the engine.
+            # The engine still ends with us: it exits when its stdin closes.
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, env=full_env, bufsize=0)
+                                         stderr=subprocess.PIPE, env=full_env, bufsize=0, start_new_session=True)
         except OSError as exc:
             raise EngineError(f"cannot start engine {self.argv[0]}: {exc.strerror}",
                               "rebuild it with `coli build --force`") from None

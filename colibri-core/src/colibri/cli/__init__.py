@@ -15,5 +15,6 @@ from . import serve  # noqa: E402,F401  (coli serve)
 from . import build  # noqa: E402,F401  (coli build)
 from . import run  # noqa: E402,F401  (coli run)
 from . import chat  # noqa: E402,F401  (coli chat)
+from . import demo  # noqa: E402,F401  (coli demo)
 
 __all__ = ["app", "main"]

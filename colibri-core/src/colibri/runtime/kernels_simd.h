@@ -57,7 +57,6 @@ CB_INLINE void tile(float *Y, size_t ldy, const char *W, size_t row_bytes, cb_dt
         for (int j = 0; j < nx; j++) xv[j] = v16_load_f32(X + (size_t)j * ldx + c);
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++) {
-            if (nx == 1) __builtin_prefetch(W + (size_t)r * row_bytes + (size_t)(c + CB_PF) * (dt == CB_F32 ? 4 : 2));
             V16 w = load_weights(W + (size_t)r * row_bytes, dt, c);
 #pragma GCC unroll 4
             for (int j = 0; j < nx; j++) acc[r][j] = v16_fma(w, xv[j], acc[r][j]);

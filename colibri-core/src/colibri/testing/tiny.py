@@ -143,7 +143,12 @@ def _deepseek_v4(n: int) -> dict[str, Any]:
                 moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
                 o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
                 partial_rotary_factor=0.25, hc_mult=4, hc_sinkhorn_iters=4,
+                layer_types=[_V4_ATTENTION[i % 3] for i in range(n)],
                 mlp_layer_types=["hash_moe" if i < 1 else "moe" for i in range(n)])
+
+
+# One layer of each DeepSeek-V4 attention kind, so every tensor set appears in a three-layer model.
+_V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
 
 
 def _kimi_linear(n: int) -> dict[str, Any]:
@@ -181,24 +186,25 @@ class _Spec:
     layers: int
     fields: Callable[[int], dict[str, Any]]
     style: str                 # tokenizer / chat-template style
-    per_layer: tuple[str, ...] = ()   # list fields that must be regenerated when num_hidden_layers changes
+    # Per-layer lists (layer_types, mlp_layer_types, ...) come from ``fields(n)``, so a layer-count override
+    # regenerates them.
 
 
 _SPECS: dict[str, _Spec] = {
     "olmoe": _Spec("olmoe", 2, _olmoe, "olmoe"),
-    "qwen2_moe": _Spec("qwen2_moe", 2, _qwen2_moe, "qwen", ("layer_types",)),
+    "qwen2_moe": _Spec("qwen2_moe", 2, _qwen2_moe, "qwen"),
     "qwen3_moe": _Spec("qwen3_moe", 2, _qwen3_moe, "qwen"),
-    "qwen3_next": _Spec("qwen3_next", 4, _qwen3_next, "qwen", ("layer_types",)),
-    "qwen3_5_moe_text": _Spec("qwen3_5_moe_text", 4, _qwen3_5_moe_text, "qwen", ("layer_types",)),
-    "qwen3_5_moe": _Spec("qwen3_5_moe", 4, _qwen3_5_moe_text, "qwen", ("layer_types",)),
+    "qwen3_next": _Spec("qwen3_next", 4, _qwen3_next, "qwen"),
+    "qwen3_5_moe_text": _Spec("qwen3_5_moe_text", 4, _qwen3_5_moe_text, "qwen"),
+    "qwen3_5_moe": _Spec("qwen3_5_moe", 4, _qwen3_5_moe_text, "qwen"),
     "deepseek_v3": _Spec("deepseek_v3", 3, _deepseek_v3, "deepseek"),
-    "deepseek_v32": _Spec("deepseek_v32", 3, _deepseek_v32, "deepseek", ("mlp_layer_types",)),
-    "deepseek_v4": _Spec("deepseek_v4", 3, _deepseek_v4, "deepseek", ("mlp_layer_types",)),
-    "kimi_linear": _Spec("kimi_linear", 4, _kimi_linear, "kimi", ("layer_types", "mlp_layer_types")),
+    "deepseek_v32": _Spec("deepseek_v32", 3, _deepseek_v32, "deepseek"),
+    "deepseek_v4": _Spec("deepseek_v4", 3, _deepseek_v4, "deepseek"),
+    "kimi_linear": _Spec("kimi_linear", 4, _kimi_linear, "kimi"),
     "kimi_k2": _Spec("deepseek_v3", 3, _deepseek_v3, "kimi"),
     "glm4_moe": _Spec("glm4_moe", 3, _glm4_moe, "glm"),
-    "glm4_moe_lite": _Spec("glm4_moe_lite", 3, _glm4_moe_lite, "glm", ("mlp_layer_types",)),
-    "glm_moe_dsa": _Spec("glm_moe_dsa", 3, _glm_moe_dsa, "glm", ("mlp_layer_types", "indexer_types")),
+    "glm4_moe_lite": _Spec("glm4_moe_lite", 3, _glm4_moe_lite, "glm"),
+    "glm_moe_dsa": _Spec("glm_moe_dsa", 3, _glm_moe_dsa, "glm"),
 }
 
 # Generic override names -> the field each family's config spells them with (first one the config has).
@@ -233,9 +239,10 @@ _BIAS_LIKE = ("A_log", "dt_bias", "attn_sink", "sinks", "_base", "_scale")
 _CORRECTION_BIAS_STD = 0.25  # large enough that the selection bias changes which experts win
 
 
-def redraw_weights(model: Any, seed: int, num_experts: int | None = None) -> None:
+def redraw_weights(model: Any, seed: int, num_experts: int | None = None, salt: str = "") -> None:
     """Re-draw every stored tensor of ``model`` at O(1) scale from ``seed`` (order-independent per name).
 
+    ``salt`` (the kind) keeps two kinds with one architecture from getting identical weights.
     Matrices N(0, 1/fan_in); norm weights 1 + 0.1·N; biases and bias-like tensors 0.1·N;
     ``e_score_correction_bias`` 0.25·N; integer ``tid2eid`` tables uniform over ``num_experts``.
     """
@@ -243,7 +250,7 @@ def redraw_weights(model: Any, seed: int, num_experts: int | None = None) -> Non
 
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            digest = hashlib.sha256(f"{seed}:{salt}:{name}".encode()).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
             if not tensor.is_floating_point():
                 if name.endswith("tid2eid"):
@@ -441,7 +448,7 @@ def build_text_model(kind: str, out_dir: str | os.PathLike, *, seed: int = 0, dt
         config = AutoConfig.for_model(spec.model_type, **fields, **token_ids)
         model = AutoModelForCausalLM.from_config(config)
     num_experts = fields.get("n_routed_experts") or fields.get("num_experts")
-    redraw_weights(model, seed, num_experts)
+    redraw_weights(model, seed, num_experts, salt=kind)
     _cast(model, dtype)
     model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=None,
                                                pad_token_id=ids["pad"], do_sample=False)

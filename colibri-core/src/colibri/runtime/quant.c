@@ -1,0 +1,336 @@
+/* quant.c: path selection, activation quantization, the scalar integer dot products (the reference every SIMD
+ * path must match), and the row drivers that turn integer sums into floats in the one fixed order of quant.h. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "quant_impl.h"
+
+/* ---- path selection ------------------------------------------------------------------------------------------ */
+
+static atomic_int g_forced_path = -1;      /* -1: follow cb_get_isa() */
+
+cb_qpath cb_qpath_detect(void) {
+#if CB_HAVE_X86_QUANT
+    __builtin_cpu_init();
+    int bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (bw && __builtin_cpu_supports("avx512vnni")) return CB_QPATH_AVX512_VNNI;
+    if (bw) return CB_QPATH_AVX512;
+    if (__builtin_cpu_supports("avx2")) return CB_QPATH_AVX2;
+#endif
+    return CB_QPATH_SCALAR;
+}
+
+const char *cb_qpath_name(cb_qpath path) {
+    switch (path) {
+    case CB_QPATH_SCALAR: return "scalar";
+    case CB_QPATH_AVX2: return "avx2";
+    case CB_QPATH_AVX512: return "avx512";
+    case CB_QPATH_AVX512_VNNI: return "avx512-vnni";
+    }
+    return "unknown";
+}
+
+int cb_qpath_set(cb_qpath path) {
+    if (path < CB_QPATH_SCALAR || path > CB_QPATH_AVX512_VNNI || path > cb_qpath_detect()) return -1;
+    atomic_store(&g_forced_path, (int)path);
+    return 0;
+}
+
+void cb_qpath_reset(void) { atomic_store(&g_forced_path, -1); }
+
+cb_qpath cb_qpath_get(void) {
+    int forced = atomic_load(&g_forced_path);
+    if (forced >= 0) return (cb_qpath)forced;
+    /* Follow the float kernels' ISA level (so COLIBRI_ISA=scalar really means scalar everywhere). */
+    cb_qpath best = cb_qpath_detect();
+    switch (cb_get_isa()) {
+    case CB_ISA_SCALAR: return CB_QPATH_SCALAR;
+    case CB_ISA_AVX2: return best < CB_QPATH_AVX2 ? best : CB_QPATH_AVX2;
+    case CB_ISA_AVX512: return best;
+    }
+    return CB_QPATH_SCALAR;
+}
+
+static cb_q8_dot_fn q8_dot_for(cb_qpath path) {
+    switch (path) {
+#if CB_HAVE_X86_QUANT
+    case CB_QPATH_AVX512_VNNI: return cb_q8_dot_avx512vnni;
+    case CB_QPATH_AVX512: return cb_q8_dot_avx512;
+    case CB_QPATH_AVX2: return cb_q8_dot_avx2;
+#endif
+    default: return cb_q8_dot_scalar;
+    }
+}
+
+static cb_q4_dot_fn q4_dot_for(cb_qpath path) {
+    switch (path) {
+#if CB_HAVE_X86_QUANT
+    case CB_QPATH_AVX512_VNNI: return cb_q4_dot_avx512vnni;
+    case CB_QPATH_AVX512: return cb_q4_dot_avx512;
+    case CB_QPATH_AVX2: return cb_q4_dot_avx2;
+#endif
+    default: return cb_q4_dot_scalar;
+    }
+}
+
+/* ---- shapes ------------------------------------------------------------------------------------------------- */
+
+int cb_qmatrix_check(const cb_qmatrix *W) {
+    if (!W || !W->q || !W->scales || W->rows < 1 || W->cols < 1 || W->cols > CB_Q_MAX_COLS) return -1;
+    if (W->scheme == CB_Q8_ROW) return 0;
+    if (W->scheme == CB_Q4_G64) return W->cols % CB_Q4_GROUP == 0 ? 0 : -1;
+    return -1;
+}
+
+size_t cb_qrow_bytes(cb_qscheme scheme, int cols) {
+    return scheme == CB_Q4_G64 ? (size_t)cols / 2 : (size_t)cols;
+}
+
+size_t cb_qscale_count(cb_qscheme scheme, int rows, int cols) {
+    return scheme == CB_Q4_G64 ? (size_t)rows * (size_t)(cols / CB_Q4_GROUP) : (size_t)rows;
+}
+
+static float scale_at(const void *scales, size_t i) {
+    uint16_t h;
+    memcpy(&h, (const char *)scales + 2 * i, sizeof h);
+    return cb_f16_to_f32(h);
+}
+
+/* ---- activations -------------------------------------------------------------------------------------------- */
+
+void cb_qact_free(cb_qact *a) {
+    if (!a) return;
+    free(a->q);
+    free(a->q_split);
+    free(a->group_sums);
+    free(a->scale);
+    memset(a, 0, sizeof *a);
+}
+
+int cb_qact_init(cb_qact *a, int max_n, int cols) {
+    memset(a, 0, sizeof *a);
+    if (max_n < 1 || cols < 1 || cols > CB_Q_MAX_COLS) return -1;
+    size_t n = (size_t)max_n, c = (size_t)cols;
+    a->capacity_n = max_n;
+    a->cols = cols;
+    a->q = malloc(n * c);
+    a->scale = malloc(n * sizeof *a->scale);
+    int ok = a->q && a->scale;
+    if (cols % CB_Q4_GROUP == 0) {
+        a->q_split = malloc(n * c);
+        a->group_sums = malloc(n * (c / CB_Q4_GROUP) * sizeof *a->group_sums);
+        ok = ok && a->q_split && a->group_sums;
+    }
+    if (!ok) {
+        cb_qact_free(a);
+        return -1;
+    }
+    return 0;
+}
+
+static int8_t level_of(float v) {
+    float r = nearbyintf(v);                 /* the default rounding mode: half to even */
+    if (!(r >= -127.0f)) return r != r ? 0 : -127;
+    if (r > 127.0f) return 127;
+    return (int8_t)r;
+}
+
+static void quantize_row(int8_t *q, float *scale, const float *x, int cols) {
+    float absmax = 0.0f;
+    int nan = 0;
+    for (int c = 0; c < cols; c++) {
+        float m = fabsf(x[c]);
+        if (m != m) nan = 1;
+        else if (m > absmax) absmax = m;
+    }
+    if (nan) absmax = NAN;
+    if (!isfinite(absmax) || absmax == 0.0f) {
+        /* Zero levels; the scale (0, inf or NaN) makes the outputs 0 or NaN, as a float path's would be. */
+        memset(q, 0, (size_t)cols);
+        *scale = absmax;
+        return;
+    }
+    float inv = 127.0f / absmax;
+    for (int c = 0; c < cols; c++) q[c] = level_of(x[c] * inv);
+    *scale = absmax / 127.0f;
+}
+
+int cb_qact_quantize(cb_qact *a, const float *x, int n) {
+    if (!a || !a->q || !x || n < 1 || n > a->capacity_n) return -1;
+    const int cols = a->cols;
+    a->n = n;
+    for (int i = 0; i < n; i++) {
+        int8_t *q = a->q + (size_t)i * cols;
+        quantize_row(q, &a->scale[i], x + (size_t)i * cols, cols);
+        if (!a->q_split) continue;
+        const int groups = cols / CB_Q4_GROUP;
+        for (int g = 0; g < groups; g++) {
+            const int8_t *src = q + (size_t)g * CB_Q4_GROUP;
+            int8_t *dst = a->q_split + (size_t)i * cols + (size_t)g * CB_Q4_GROUP;
+            int32_t sum = 0;
+            for (int j = 0; j < CB_Q4_GROUP / 2; j++) {
+                dst[j] = src[2 * j];
+                dst[CB_Q4_GROUP / 2 + j] = src[2 * j + 1];
+                sum += src[2 * j] + src[2 * j + 1];
+            }
+            a->group_sums[(size_t)i * groups + g] = sum;
+        }
+    }
+    return 0;
+}
+
+/* ---- scalar integer dot products (the reference) ------------------------------------------------------------ */
+
+int32_t cb_q8_dot_scalar(const int8_t *w, const int8_t *x, int cols) {
+    int32_t acc = 0;
+    for (int c = 0; c < cols; c++) acc += (int32_t)w[c] * (int32_t)x[c];
+    return acc;
+}
+
+void cb_q4_dot_scalar(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
+                      const int32_t *group_sums, int groups) {
+    (void)x_split;
+    (void)group_sums;
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = w + (size_t)g * (CB_Q4_GROUP / 2);
+        const int8_t *xg = x + (size_t)g * CB_Q4_GROUP;
+        int32_t sum = 0;
+        for (int j = 0; j < CB_Q4_GROUP / 2; j++) {
+            int lo = (wg[j] & 0x0f) - 8, hi = (wg[j] >> 4) - 8;
+            sum += lo * xg[2 * j] + hi * xg[2 * j + 1];
+        }
+        acc[g] = sum;
+    }
+}
+
+/* ---- row drivers ------------------------------------------------------------------------------------------- */
+
+/* The one float combination of quant.h; every path funnels its exact integer sums through here. */
+static float combine_q8(int32_t acc, float w_scale, float x_scale) { return ((float)acc * w_scale) * x_scale; }
+
+static float combine_q4(const int32_t *acc, const void *scales, size_t first_scale, int groups, float x_scale) {
+    float s = 0.0f;
+    for (int g = 0; g < groups; g++) s = fmaf((float)acc[g], scale_at(scales, first_scale + (size_t)g), s);
+    return s * x_scale;
+}
+
+static void rows_range(float *Y, size_t ldy, const cb_qmatrix *W, const cb_qact *a, int first_input, int n_inputs,
+                       int r0, int r1, cb_q8_dot_fn q8, cb_q4_dot_fn q4, int32_t *acc) {
+    const int cols = W->cols;
+    const size_t row_bytes = cb_qrow_bytes(W->scheme, cols);
+    const int groups = cols / CB_Q4_GROUP;
+    for (int r = r0; r < r1; r++) {
+        const void *wrow = (const char *)W->q + (size_t)r * row_bytes;
+        for (int j = 0; j < n_inputs; j++) {
+            const int i = first_input + j;
+            const int8_t *x = a->q + (size_t)i * cols;
+            float y;
+            if (W->scheme == CB_Q8_ROW) {
+                y = combine_q8(q8((const int8_t *)wrow, x, cols), scale_at(W->scales, (size_t)r), a->scale[i]);
+            } else {
+                q4(acc, (const uint8_t *)wrow, x, a->q_split + (size_t)i * cols, a->group_sums + (size_t)i * groups,
+                   groups);
+                y = combine_q4(acc, W->scales, (size_t)r * groups, groups, a->scale[i]);
+            }
+            Y[(size_t)j * ldy + r] = y;
+        }
+    }
+}
+
+/* Rows per task: enough work to amortise a task, small enough to balance 2..64 threads. */
+#define CB_Q_ROWS_PER_TASK 16
+
+typedef struct {
+    float *Y[2];
+    const cb_qmatrix *W[2];
+    int n_mats;
+    const cb_qact *a;
+    int first_input, n_inputs;
+    size_t ldy;
+    int tasks_per_mat;
+    cb_q8_dot_fn q8;
+    cb_q4_dot_fn q4;
+    int failed;                 /* set when a task could not allocate its scratch */
+} qjob;
+
+static void qjob_task(void *ctx, int t) {
+    qjob *job = ctx;
+    const int m = t / job->tasks_per_mat, chunk = t % job->tasks_per_mat;
+    const cb_qmatrix *W = job->W[m];
+    const int r0 = chunk * CB_Q_ROWS_PER_TASK;
+    const int r1 = r0 + CB_Q_ROWS_PER_TASK < W->rows ? r0 + CB_Q_ROWS_PER_TASK : W->rows;
+    int32_t stack_acc[256];
+    int32_t *acc = stack_acc;
+    const int groups = W->cols / CB_Q4_GROUP;
+    if (groups > 256) {
+        acc = malloc((size_t)groups * sizeof *acc);
+        if (!acc) {
+            __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    rows_range(job->Y[m], job->ldy, W, job->a, job->first_input, job->n_inputs, r0, r1, job->q8, job->q4, acc);
+    if (acc != stack_acc) free(acc);
+}
+
+static int usable(const cb_qmatrix *W, const cb_qact *a) {
+    if (cb_qmatrix_check(W) != 0 || !a || !a->q || a->n < 1 || a->cols != W->cols) return 0;
+    return W->scheme != CB_Q4_G64 || a->q_split != NULL;
+}
+
+static int run(float *Y0, float *Y1, const cb_qmatrix *W0, const cb_qmatrix *W1, const cb_qact *a, int first_input,
+               int n_inputs, size_t ldy) {
+    cb_qpath path = cb_qpath_get();
+    qjob job = {.Y = {Y0, Y1}, .W = {W0, W1}, .n_mats = W1 ? 2 : 1, .a = a, .first_input = first_input,
+                .n_inputs = n_inputs, .ldy = ldy, .q8 = q8_dot_for(path), .q4 = q4_dot_for(path)};
+    job.tasks_per_mat = (W0->rows + CB_Q_ROWS_PER_TASK - 1) / CB_Q_ROWS_PER_TASK;
+    cb_parallel_for(job.tasks_per_mat * job.n_mats, qjob_task, &job);
+    return job.failed ? -1 : 0;
+}
+
+int cb_qmatmul(float *Y, const cb_qmatrix *W, const cb_qact *a) {
+    if (!Y || !usable(W, a)) return -1;
+    return run(Y, NULL, W, NULL, a, 0, a->n, (size_t)W->rows);
+}
+
+int cb_qmatvec(float *y, const cb_qmatrix *W, const cb_qact *a, int i) {
+    if (!y || !usable(W, a) || i < 0 || i >= a->n) return -1;
+    return run(y, NULL, W, NULL, a, i, 1, (size_t)W->rows);
+}
+
+int cb_qgate_up(float *G, float *U, const cb_qmatrix *Wg, const cb_qmatrix *Wu, const cb_qact *a) {
+    if (!G || !U || !usable(Wg, a) || !usable(Wu, a)) return -1;
+    if (Wg->scheme != Wu->scheme || Wg->rows != Wu->rows || Wg->cols != Wu->cols) return -1;
+    return run(G, U, Wg, Wu, a, 0, a->n, (size_t)Wg->rows);
+}
+
+int cb_qmatvec_f32(float *y, const cb_qmatrix *W, const float *x) {
+    if (!y || !x || cb_qmatrix_check(W) != 0) return -1;
+    cb_qact a;
+    if (cb_qact_init(&a, 1, W->cols) != 0) return -1;
+    int rc = cb_qact_quantize(&a, x, 1);
+    if (rc == 0) rc = cb_qmatvec(y, W, &a, 0);
+    cb_qact_free(&a);
+    return rc;
+}
+
+int cb_qdequant_row(float *out, const cb_qmatrix *W, int r) {
+    if (!out || cb_qmatrix_check(W) != 0 || r < 0 || r >= W->rows) return -1;
+    const int cols = W->cols;
+    const char *row = (const char *)W->q + (size_t)r * cb_qrow_bytes(W->scheme, cols);
+    if (W->scheme == CB_Q8_ROW) {
+        float s = scale_at(W->scales, (size_t)r);
+        for (int c = 0; c < cols; c++) out[c] = (float)((const int8_t *)row)[c] * s;
+        return 0;
+    }
+    const int groups = cols / CB_Q4_GROUP;
+    for (int c = 0; c < cols; c++) {
+        uint8_t byte = ((const uint8_t *)row)[c / 2];
+        int level = (c % 2 ? byte >> 4 : byte & 0x0f) - 8;
+        out[c] = (float)level * scale_at(W->scales, (size_t)r * groups + (size_t)(c / CB_Q4_GROUP));
+    }
+    return 0;
+}

@@ -1,0 +1,285 @@
+"""colibri family plugin for DeepSeek MoE: ``deepseek_v3`` (V3 / R1), ``deepseek_v32`` (V3.2) and ``deepseek_v4``.
+
+V3 and V3.2 use multi-head latent attention (MLA): the KV cache holds one compressed latent (``kv_lora_rank``)
+plus the shared RoPE key (``qk_rope_head_dim``) per token and layer. V3.2 adds the DSA lightning indexer, which
+caches its own key per token. Routing is sigmoid + ``e_score_correction_bias`` (selection only), group-limited,
+renormalised and scaled. V4 compresses attention per layer type (CSA / HCA rates, plus a sliding window in every
+layer), keeps one KV head, and hash-routes tokens in its first layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from colibri import configs, hookimpl
+from colibri.errors import ConfigError
+from colibri.records import (
+    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+)
+
+FAMILY = "deepseek-v4"
+MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+F32 = 4
+
+# What transformers assumes when a deepseek_v3 config omits the router fields (its saves do).
+V3_ROUTER_DEFAULTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+# DeepSeek-V4 defaults (transformers DeepseekV4Config) for configs that omit them.
+V4_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+V4_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+V4_DEFAULT_HASH_LAYERS = 3
+
+
+@hookimpl
+def describe_family() -> FamilyDescriptor:
+    return FamilyDescriptor(FAMILY, MODEL_TYPES, "DeepSeek MoE: V3 / R1 (MLA), V3.2 (MLA + DSA), V4 (CSA/HCA)")
+
+
+@hookimpl
+def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    model_type = config.get("model_type") if config else None
+    if model_type in MODEL_TYPES:
+        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
+    return None
+
+
+def _where(model: ResolvedModel) -> str:
+    return str(model.path / "config.json")
+
+
+def _common(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    n = configs.require_int(cfg, "num_hidden_layers", where=where, minimum=1)
+    heads = configs.require_int(cfg, "num_attention_heads", where=where, minimum=1)
+    return dict(
+        layers=n, heads=heads,
+        hidden=configs.require_int(cfg, "hidden_size", where=where, minimum=1),
+        vocab=configs.require_int(cfg, "vocab_size", where=where, minimum=1),
+        experts=configs.require_int(cfg, "n_routed_experts", "num_experts", "num_local_experts", where=where,
+                                    minimum=1),
+        top_k=configs.require_int(cfg, *configs.TOP_K_FIELDS, where=where, minimum=1),
+        expert_width=configs.require_int(cfg, "moe_intermediate_size", where=where, minimum=1),
+        shared=configs.optional_int(cfg, "n_shared_experts", where=where),
+        nextn=configs.optional_int(cfg, "num_nextn_predict_layers", where=where),
+        q_lora=configs.optional_int(cfg, "q_lora_rank", where=where),
+    )
+
+
+def _read_mla(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    r = _common(cfg, where)
+    r.update(
+        kv_lora=configs.require_int(cfg, "kv_lora_rank", where=where, minimum=1),
+        rope_dim=configs.require_int(cfg, "qk_rope_head_dim", where=where, minimum=1),
+        nope_dim=configs.require_int(cfg, "qk_nope_head_dim", where=where, minimum=0),
+        v_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
+        moe_layers=configs.moe_layer_indices(cfg, r["layers"], where=where),
+    )
+    return r
+
+
+def _v4_layer_types(cfg: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
+    types = cfg.get("layer_types")
+    if types is None and isinstance(cfg.get("compress_ratios"), list):
+        try:
+            types = [V4_RATIO_TO_TYPE[int(r)] for r in cfg["compress_ratios"]]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{where}: 'compress_ratios' must hold 0, 4 or 128 per layer",
+                              "restore the checkpoint's original config.json") from None
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    if len(types) < n:
+        raise ConfigError(f"{where}: 'layer_types' has {len(types)} entries for {n} layers",
+                          "restore the checkpoint's original config.json")
+    return tuple(types[:n])
+
+
+def _v4_rates(cfg: Mapping[str, Any]) -> dict[str, int]:
+    rates = dict(V4_COMPRESS_RATES)
+    rates.update(cfg.get("compress_rates") or {})
+    if cfg.get("compress_rate_csa") is not None:
+        rates["compressed_sparse_attention"] = int(cfg["compress_rate_csa"])
+    if cfg.get("compress_rate_hca") is not None:
+        rates["heavily_compressed_attention"] = int(cfg["compress_rate_hca"])
+    rates["sliding_attention"] = 0
+    return rates
+
+
+def _read_v4(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    r = _common(cfg, where)
+    n = r["layers"]
+    mlp_types = cfg.get("mlp_layer_types")
+    if mlp_types is None:
+        hashed = configs.optional_int(cfg, "num_hash_layers", default=V4_DEFAULT_HASH_LAYERS, where=where)
+        mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+    r.update(
+        head_dim=configs.require_int(cfg, "head_dim", where=where, minimum=1),
+        kv_heads=configs.optional_int(cfg, "num_key_value_heads", default=1, where=where),
+        window=configs.optional_int(cfg, "sliding_window", default=128, where=where),
+        index_dim=configs.optional_int(cfg, "index_head_dim", default=128, where=where),
+        attn=_v4_layer_types(cfg, n, where), rates=_v4_rates(cfg),
+        hash_layers=tuple(i for i, t in enumerate(mlp_types[:n]) if t == "hash_moe"),
+        moe_layers=configs.moe_layer_indices({**cfg, "mlp_layer_types": list(mlp_types[:n])}, n, where=where),
+    )
+    return r
+
+
+def _router_notes(cfg: Mapping[str, Any], model_type: str) -> tuple[tuple[str, str], ...]:
+    if model_type == "deepseek_v4":
+        scoring = cfg.get("scoring_func", "sqrtsoftplus")
+        return (("router", f"{scoring} + bias, top-k, renormalised × {cfg.get('routed_scaling_factor', 1.5)}"),)
+    scoring = cfg.get("scoring_func") or V3_ROUTER_DEFAULTS["scoring_func"]
+    method = cfg.get("topk_method") or V3_ROUTER_DEFAULTS["topk_method"]
+    groups = f"{cfg.get('n_group', 1)} groups, keep {cfg.get('topk_group', 1)}"
+    renorm = ", renormalised" if cfg.get("norm_topk_prob", True) else ""
+    return (("router", f"{scoring} ({method}), {groups}{renorm} × {cfg.get('routed_scaling_factor', 1.0)}"),)
+
+
+@hookimpl
+def model_geometry(model: ResolvedModel) -> Geometry:
+    cfg, where = model.config, _where(model)
+    if model.model_type == "deepseek_v4":
+        return _geometry_v4(model, cfg, where)
+    r = _read_mla(cfg, where)
+    per_layer = (r["kv_lora"] + r["rope_dim"]) * F32
+    notes = [("MLA", f"kv_lora_rank {r['kv_lora']}, rope dim {r['rope_dim']}, q_lora_rank {r['q_lora'] or 'none'}")]
+    attention = "MLA (compressed KV)"
+    if model.model_type == "deepseek_v32":
+        index_dim = configs.optional_int(cfg, "index_head_dim", default=128, where=where)
+        per_layer += index_dim * F32
+        attention = "MLA + DSA lightning indexer"
+        notes.append(("DSA", f"index_topk {cfg.get('index_topk', 2048)}, {cfg.get('index_n_heads', 64)} heads"))
+    notes += list(_router_notes(cfg, model.model_type))
+    notes.append(("rope theta", f"{configs.rope(cfg).theta:g}"))
+    if r["nextn"]:
+        notes.append(("MTP layers", f"{r['nextn']} (skipped)"))
+    return Geometry(
+        model_type=model.model_type, architecture="DeepSeek MoE decoder", attention=attention,
+        num_layers=r["layers"], hidden_size=r["hidden"], vocab_size=r["vocab"], num_heads=r["heads"],
+        num_kv_heads=r["heads"], head_dim=r["nope_dim"] + r["rope_dim"], num_experts=r["experts"],
+        top_k=r["top_k"], expert_intermediate=r["expert_width"], num_shared_experts=r["shared"],
+        moe_layers=r["moe_layers"], dense_layers=tuple(i for i in range(r["layers"]) if i not in r["moe_layers"]),
+        max_context=configs.max_context(cfg), kv_bytes_per_token=per_layer * r["layers"], notes=tuple(notes),
+    )
+
+
+def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Geometry:
+    r = _read_v4(cfg, where)
+    per_token = 0.0
+    for kind in r["attn"]:
+        rate = r["rates"].get(kind, 0)
+        if rate:
+            per_token += r["head_dim"] * F32 / rate
+            if kind == "compressed_sparse_attention":
+                per_token += r["index_dim"] * F32 / rate
+    window_state = r["layers"] * r["window"] * r["kv_heads"] * r["head_dim"] * F32
+    counts = {k: r["attn"].count(k) for k in dict.fromkeys(r["attn"])}
+    notes = (("attention layers", ", ".join(f"{v} {k}" for k, v in counts.items())),
+             ("hash-routed layers", str(len(r["hash_layers"]))),
+             ("hyper-connections", str(cfg.get("hc_mult", 4))),
+             ("sliding window", f"{r['window']} tokens (in the per-slot state)"),
+             *_router_notes(cfg, model.model_type))
+    return Geometry(
+        model_type=model.model_type, architecture="DeepSeek-V4 MoE decoder",
+        attention="compressed sparse attention (CSA/HCA) + sliding window, 1 KV head",
+        num_layers=r["layers"], hidden_size=r["hidden"], vocab_size=r["vocab"], num_heads=r["heads"],
+        num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], num_experts=r["experts"], top_k=r["top_k"],
+        expert_intermediate=r["expert_width"], num_shared_experts=r["shared"], moe_layers=r["moe_layers"],
+        dense_layers=tuple(i for i in range(r["layers"]) if i not in r["moe_layers"]),
+        max_context=configs.max_context(cfg), kv_bytes_per_token=configs.ceil_int(per_token),
+        state_bytes_per_slot=window_state, notes=notes,
+    )
+
+
+def _mla_attention(cfg: Mapping[str, Any], r: dict[str, Any], p: str, indexer: bool) -> tuple[list, list]:
+    sa = p + "self_attn."
+    norms, req = [sa + "kv_a_layernorm.weight"], []
+    bias = bool(cfg.get("attention_bias", False))
+    if r["q_lora"]:
+        norms.append(sa + "q_a_layernorm.weight")
+        req += [sa + "q_a_proj.weight", sa + "q_b_proj.weight"] + ([sa + "q_a_proj.bias"] if bias else [])
+    else:
+        req.append(sa + "q_proj.weight")
+    req += [sa + "kv_a_proj_with_mqa.weight", sa + "kv_b_proj.weight", sa + "o_proj.weight"]
+    if bias:
+        req += [sa + "kv_a_proj_with_mqa.bias", sa + "o_proj.bias"]
+    if indexer:
+        ix = sa + "indexer."
+        norms.append(ix + "k_norm.weight")
+        req += [ix + "wq_b.weight", ix + "wk.weight", ix + "k_norm.bias", ix + "weights_proj.weight"]
+    return norms, req
+
+
+@hookimpl
+def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    cfg, where = model.config, _where(model)
+    if model.model_type == "deepseek_v4":
+        return _layout_v4(cfg, _read_v4(cfg, where))
+    r = _read_mla(cfg, where)
+    norms, routers, experts, required = ["model.norm.weight"], [], [], []
+    for i in range(r["layers"]):
+        p = f"model.layers.{i}."
+        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        attn_norms, attn = _mla_attention(cfg, r, p, indexer=model.model_type == "deepseek_v32")
+        norms += attn_norms
+        required += attn
+        m = p + "mlp."
+        if i not in r["moe_layers"]:
+            required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
+            continue
+        routers.append((i, m + "gate.weight"))
+        required.append(m + "gate.e_score_correction_bias")
+        for e in range(r["experts"]):
+            q = f"{m}experts.{e}."
+            experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
+        if r["shared"]:
+            required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    return TensorLayout(
+        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
+        lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
+        experts=tuple(experts), required=tuple(required),
+        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
+
+
+def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
+    norms, routers, experts = ["model.norm.weight"], [], []
+    required = ["model.hc_head.hc_base", "model.hc_head.hc_fn", "model.hc_head.hc_scale"]
+    for i in range(r["layers"]):
+        p = f"model.layers.{i}."
+        a = p + "attn."
+        norms += [p + "attn_norm.weight", p + "ffn_norm.weight", a + "q_norm.weight", a + "norm.weight"]
+        required += [a + t for t in ("attn_sink", "wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a.weight",
+                                     "wo_b.weight")]
+        required += [f"{p}hc_{block}_{t}" for block in ("attn", "ffn") for t in ("base", "fn", "scale")]
+        kind = r["attn"][i]
+        if r["rates"].get(kind, 0):
+            norms.append(a + "compressor.norm.weight")
+            required += [a + "compressor." + t for t in ("ape", "wgate.weight", "wkv.weight")]
+        if kind == "compressed_sparse_attention":
+            ix = a + "indexer."
+            norms.append(ix + "compressor.norm.weight")
+            required += [ix + t for t in ("compressor.ape", "compressor.wgate.weight", "compressor.wkv.weight",
+                                          "weights_proj.weight", "wq_b.weight")]
+        f = p + "ffn."
+        if i not in r["moe_layers"]:
+            required += [f"{f}{w}.weight" for w in ("w1", "w2", "w3")]
+            continue
+        routers.append((i, f + "gate.weight"))
+        required.append(f + ("gate.tid2eid" if i in r["hash_layers"] else "gate.bias"))
+        for e in range(r["experts"]):
+            q = f"{f}experts.{e}."
+            experts.append(ExpertTensors(i, e, (q + "w1.weight", q + "w3.weight", q + "w2.weight")))
+        if r["shared"]:
+            required += [f"{f}shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    skipped = configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]) + ("mtp.",)
+    return TensorLayout(
+        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "head.weight"),
+        lm_head=None if tied else "head.weight", norms=tuple(norms), routers=tuple(routers),
+        experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped)
+
+
+@hookimpl
+def limits(model: ResolvedModel) -> Limits:
+    return Limits(max_context=configs.max_context(model.config), has_engine=False,
+                  reason_no_engine=f"no engine for {FAMILY} yet")

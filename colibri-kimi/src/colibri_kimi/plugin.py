@@ -1,0 +1,178 @@
+"""colibri family plugin for Moonshot Kimi: ``kimi_k2`` and ``kimi_linear``.
+
+Kimi K2 is the DeepSeek-V3 architecture under its own model_type: MLA (compressed KV), sigmoid + bias routing
+with groups, a shared expert and leading dense layers. Kimi Linear is a hybrid: KDA linear attention (short
+convolutions on q/k/v, low-rank forget and output gates) in most layers, MLA without RoPE in the rest; its MoE
+lives under ``block_sparse_moe`` with experts stored as ``w1`` (gate) / ``w3`` (up) / ``w2`` (down).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from colibri import configs, hookimpl
+from colibri.errors import ConfigError
+from colibri.records import (
+    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+)
+
+FAMILY = "kimi"
+MODEL_TYPES = ("kimi_k2", "kimi_linear")
+F32 = 4
+
+
+@hookimpl
+def describe_family() -> FamilyDescriptor:
+    return FamilyDescriptor(FAMILY, MODEL_TYPES, "Kimi (Moonshot): Kimi K2 (DeepSeek-V3 architecture), Kimi Linear")
+
+
+@hookimpl
+def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    model_type = config.get("model_type") if config else None
+    if model_type in MODEL_TYPES:
+        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
+    return None
+
+
+def _linear_layer_types(cfg: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
+    """Kimi Linear's attention kind per layer: ``layer_types``, else ``linear_attn_config`` (1-indexed lists)."""
+    if cfg.get("layer_types") is not None:
+        return configs.attention_layer_types(cfg, n, where=where)
+    lac = cfg.get("linear_attn_config") or {}
+    if "full_attn_layers" in lac and "kda_layers" in lac:
+        kinds: list[str | None] = [None] * n
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for layer in lac[key]:
+                if not isinstance(layer, int) or not 1 <= layer <= n:
+                    raise ConfigError(f"{where}: linear_attn_config.{key} names layer {layer!r} of {n}",
+                                      "layers there are numbered from 1; restore the original config.json")
+                kinds[layer - 1] = kind
+        if None in kinds:
+            raise ConfigError(f"{where}: linear_attn_config leaves layer {kinds.index(None) + 1} unassigned",
+                              "restore the checkpoint's original config.json")
+        return tuple(k for k in kinds if k)
+    # transformers' default for configs without either field
+    return tuple("full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n))
+
+
+def _read(model: ResolvedModel) -> dict[str, Any]:
+    cfg, where = model.config, str(model.path / "config.json")
+    n = configs.require_int(cfg, "num_hidden_layers", where=where, minimum=1)
+    heads = configs.require_int(cfg, "num_attention_heads", where=where, minimum=1)
+    linear = model.model_type == "kimi_linear"
+    moe_cfg = cfg
+    if linear and cfg.get("mlp_layer_types") is None and cfg.get("first_k_dense_replace") is None:
+        moe_cfg = {**cfg, "first_k_dense_replace": 1}      # Kimi Linear's default: layer 0 dense
+    r = dict(
+        cfg=cfg, layers=n, heads=heads, linear=linear,
+        hidden=configs.require_int(cfg, "hidden_size", where=where, minimum=1),
+        vocab=configs.require_int(cfg, "vocab_size", where=where, minimum=1),
+        experts=configs.require_int(cfg, *configs.EXPERT_COUNT_FIELDS, where=where, minimum=1),
+        top_k=configs.require_int(cfg, *configs.TOP_K_FIELDS, where=where, minimum=1),
+        expert_width=configs.require_int(cfg, "moe_intermediate_size", where=where, minimum=1),
+        shared=configs.optional_int(cfg, "n_shared_experts", "num_shared_experts", where=where),
+        nextn=configs.optional_int(cfg, "num_nextn_predict_layers", where=where),
+        q_lora=configs.optional_int(cfg, "q_lora_rank", where=where),
+        kv_lora=configs.require_int(cfg, "kv_lora_rank", where=where, minimum=1),
+        rope_dim=configs.require_int(cfg, "qk_rope_head_dim", where=where, minimum=1),
+        nope_dim=configs.require_int(cfg, "qk_nope_head_dim", where=where, minimum=0),
+        moe_layers=configs.moe_layer_indices(moe_cfg, n, where=where),
+        attn=_linear_layer_types(cfg, n, where) if linear else ("full_attention",) * n,
+    )
+    if linear:
+        # The hub config nests these in linear_attn_config; transformers saves them at top level.
+        merged = {**cfg, **{k: v for k, v in (cfg.get("linear_attn_config") or {}).items()}}
+        r.update(lin_heads=configs.require_int(merged, "num_heads", "linear_num_heads", where=where, minimum=1),
+                 lin_dim=configs.require_int(merged, "head_dim", "linear_head_dim", where=where, minimum=1)
+                 if "linear_attn_config" in cfg else configs.require_int(cfg, "linear_head_dim", where=where,
+                                                                         minimum=1),
+                 conv=configs.optional_int(merged, "short_conv_kernel_size", "linear_conv_kernel_dim", default=4,
+                                           where=where))
+    return r
+
+
+@hookimpl
+def model_geometry(model: ResolvedModel) -> Geometry:
+    r = _read(model)
+    cfg, n = r["cfg"], r["layers"]
+    full = [i for i, kind in enumerate(r["attn"]) if kind == "full_attention"]
+    kv = len(full) * (r["kv_lora"] + r["rope_dim"]) * F32
+    state = 0
+    groups = configs.first_of(cfg, "n_group", "num_expert_group", default=1)
+    renorm = configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True)
+    notes = [("router", f"sigmoid + bias, {groups} groups, keep {cfg.get('topk_group', 1)}"
+                        f"{', renormalised' if renorm else ''} × {cfg.get('routed_scaling_factor', 1.0)}")]
+    if r["linear"]:
+        width = r["lin_heads"] * r["lin_dim"]
+        per_layer = 3 * width * (r["conv"] - 1) * F32 + r["lin_heads"] * r["lin_dim"] * r["lin_dim"] * F32
+        state = per_layer * (n - len(full))
+        notes.insert(0, ("layers", f"{n - len(full)} KDA + {len(full)} MLA (no RoPE)"))
+        attention = "KDA linear attention + MLA"
+    else:
+        notes.append(("rope", f"theta {configs.rope(cfg).theta:g} ({configs.rope(cfg).rope_type})"))
+        attention = "MLA (compressed KV)"
+    return Geometry(
+        model_type=model.model_type, architecture="Kimi MoE decoder" + (" (hybrid)" if r["linear"] else ""),
+        attention=attention, num_layers=n, hidden_size=r["hidden"], vocab_size=r["vocab"], num_heads=r["heads"],
+        num_kv_heads=r["heads"], head_dim=r["nope_dim"] + r["rope_dim"], num_experts=r["experts"], top_k=r["top_k"],
+        expert_intermediate=r["expert_width"], num_shared_experts=r["shared"], moe_layers=r["moe_layers"],
+        dense_layers=tuple(i for i in range(n) if i not in r["moe_layers"]), max_context=configs.max_context(cfg),
+        kv_bytes_per_token=kv, state_bytes_per_slot=state, notes=tuple(notes),
+    )
+
+
+def _mla(r: dict[str, Any], sa: str) -> tuple[list[str], list[str]]:
+    norms, req = [sa + "kv_a_layernorm.weight"], []
+    if r["q_lora"]:
+        norms.append(sa + "q_a_layernorm.weight")
+        req += [sa + "q_a_proj.weight", sa + "q_b_proj.weight"]
+    else:
+        req.append(sa + "q_proj.weight")
+    req += [sa + "kv_a_proj_with_mqa.weight", sa + "kv_b_proj.weight", sa + "o_proj.weight"]
+    return norms, req
+
+
+def _kda(sa: str) -> tuple[list[str], list[str]]:
+    weights = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "b_proj", "f_a_proj", "f_b_proj",
+               "g_a_proj", "g_b_proj", "o_proj")
+    return [sa + "o_norm.weight"], [f"{sa}{w}.weight" for w in weights] + [sa + "A_log", sa + "dt_bias"]
+
+
+@hookimpl
+def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    r = _read(model)
+    moe_name = "block_sparse_moe." if r["linear"] else "mlp."
+    norms, routers, experts, required = ["model.norm.weight"], [], [], []
+    for i in range(r["layers"]):
+        p = f"model.layers.{i}."
+        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        full = r["attn"][i] == "full_attention"
+        attn_norms, attn = _mla(r, p + "self_attn.") if full else _kda(p + "self_attn.")
+        norms += attn_norms
+        required += attn
+        m = p + moe_name
+        if i not in r["moe_layers"]:
+            required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
+            continue
+        routers.append((i, m + "gate.weight"))
+        required.append(m + "gate.e_score_correction_bias")
+        for e in range(r["experts"]):
+            q = f"{m}experts.{e}."
+            names = (q + "w1.weight", q + "w3.weight", q + "w2.weight") if r["linear"] else (
+                q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")
+            experts.append(ExpertTensors(i, e, names))
+        if r["shared"]:
+            required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    tied = bool(r["cfg"].get("tie_word_embeddings", False))
+    return TensorLayout(
+        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
+        lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
+        experts=tuple(experts), required=tuple(required),
+        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
+
+
+@hookimpl
+def limits(model: ResolvedModel) -> Limits:
+    return Limits(max_context=configs.max_context(model.config), has_engine=False,
+                  reason_no_engine=f"no engine for {FAMILY} yet")

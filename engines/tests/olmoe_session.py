@@ -1,0 +1,122 @@
+"""Drive an OLMoE engine binary through one full protocol session on a tiny checkpoint.
+
+Used by ``make -C engines test-olmoe`` and ``sanitize-olmoe`` (the same session under ASan/UBSan). The checkpoint
+is ``$COLIBRI_OLMOE_TINY`` when set, else a tiny random OLMoE built here with transformers (nothing is committed).
+
+    python3 olmoe_session.py ENGINE_BINARY
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-olmoe" / "src"):
+    sys.path.insert(0, str(src))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from colibri.model import read_config  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri_olmoe.plugin import engine_hparams  # noqa: E402
+
+passed = failed = 0
+
+
+def check(cond: bool, what: str) -> None:
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL: {what}", file=sys.stderr)
+
+
+class Session:
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def send(self, line: str | dict) -> None:
+        self.proc.stdin.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+        self.proc.stdin.flush()
+
+    def event(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"engine exited early with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def until(self, ev: str, id_: int | None = None) -> list[dict]:
+        seen = []
+        while True:
+            e = self.event()
+            seen.append(e)
+            if e["ev"] == ev and (id_ is None or e.get("id") == id_):
+                return seen
+
+
+def main() -> int:
+    binary = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.environ.get("COLIBRI_OLMOE_TINY")
+        if not model_dir:
+            from colibri.testing.tiny import tiny_model
+
+            model_dir = str(tiny_model("olmoe", Path(tmp), seed=1, num_kv_heads=2, norm_topk_prob=True,
+                                       tie_word_embeddings=True).path)
+        model = ResolvedModel(Path(model_dir), "olmoe", "olmoe", read_config(Path(model_dir)))
+        vocab = model.config["vocab_size"]
+        argv = [binary, "--model", model_dir, "--ctx", "64", "--slots", "2", "--cap", "1", "--threads", "2",
+                *engine_hparams(model)]
+        s = Session(argv)
+        ready = s.event()
+        check(ready["ev"] == "ready" and ready["vocab"] == vocab, f"ready: {ready}")
+
+        prompt = [(i * 37 + 11) % (vocab - 2) + 2 for i in range(40)]
+        s.send({"op": "submit", "id": 1, "slot": 0, "prompt": prompt, "max_tokens": 8, "logits": True})
+        s.send({"op": "submit", "id": 2, "slot": 1, "prompt": prompt[:5], "max_tokens": 6, "temperature": 0.8,
+                "top_p": 0.9, "top_k": 20, "seed": 3})
+        events = s.until("done", 1)
+        events += s.until("done", 2) if not any(e["ev"] == "done" and e["id"] == 2 for e in events) else []
+        logits = [e for e in events if e["ev"] == "logits" and e["id"] == 1]
+        tokens1 = [e["tok"] for e in events if e["ev"] == "token" and e["id"] == 1]
+        check(len(logits) == 40 and all(len(e["values"]) == vocab for e in logits), "40 rows of prompt logits")
+        check(len(tokens1) == 8, "8 greedy tokens")
+        check(any(e["ev"] == "keepalive" for e in events), "keepalive during a 2-chunk prefill")
+        check(len([e for e in events if e["ev"] == "token" and e["id"] == 2]) == 6, "6 sampled tokens on slot 1")
+
+        for bad in ("{", "[]", '{"op":"submit","id":9,"prompt":[-1]}', '{"op":"nope"}', "\x00\xff"):
+            s.send(bad)
+            e = s.event()
+            check(e["ev"] == "error" and e["code"] == "bad_request", f"bad_request for {bad!r}: {e}")
+        s.send({"op": "submit", "id": 3, "prompt": list(range(2, 70))})
+        e = s.event()
+        check(e["ev"] == "error" and e["code"] == "context_exceeded", f"context_exceeded: {e}")
+
+        follow = prompt + tokens1[:4] + [5]
+        s.send({"op": "submit", "id": 4, "slot": 0, "prompt": follow, "max_tokens": 5, "forced": [7, 8]})
+        events = s.until("done", 4)
+        check(events[0]["ev"] == "accept" and events[0]["reused_tokens"] == 44, f"prefix reuse: {events[0]}")
+        s.send({"op": "submit", "id": 5, "slot": 0, "prompt": prompt[:3], "max_tokens": 1000})
+        s.send({"op": "cancel", "id": 5})
+        done = s.until("done", 5)[-1]
+        check(done["reason"] == "cancelled", f"cancel: {done}")
+        s.send({"op": "submit", "id": 6, "slot": 1, "prompt": (prompt * 2)[:50], "max_tokens": 100})
+        done = s.until("done", 6)[-1]
+        check(done["reason"] == "length" and done["generated_tokens"] == 64 - 50 + 1, f"length at ctx: {done}")
+        s.send({"op": "stats"})
+        stats = s.until("stats")[-1]
+        check(all(m > 0 for m in stats["misses"]), f"misses in every layer at cap 1: {stats}")
+        s.send({"op": "shutdown"})
+        rc = s.proc.wait(timeout=300)
+        check(rc == 0, f"exit code {rc}")
+    print(f"olmoe_session: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+/* test_runtime.c: the shared runtime's non-numeric parts: JSON reader (incl. a fuzz pass over random, truncated
+ * and mutated inputs, meant to run under ASan/UBSan), safetensors index validation, the expert store's LRU and
+ * read accounting, and the sampler. */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "experts.h"
+#include "json.h"
+#include "safetensors.h"
+#include "sampler.h"
+
+static int failures, checks;
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        checks++;                                                          \
+        if (!(cond)) {                                                     \
+            failures++;                                                    \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, "\n");                                         \
+        }                                                                  \
+    } while (0)
+
+static uint64_t rng_state = 88172645463325252ULL;
+static uint64_t rnd(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+/* ---- JSON ---- */
+
+static void test_json_valid(void) {
+    char err[256];
+    const char *text = " {\"a\": [1, -2.5e3, true, false, null], \"s\": \"x\\n\\u00e9\\ud83d\\ude00\\\"\","
+                       " \"big\": 9007199254740993, \"o\": {}} ";
+    cb_json_doc *doc = cb_json_parse(text, strlen(text), err, sizeof err);
+    CHECK(doc != NULL, "%s", err);
+    if (!doc) return;
+    cb_json *root = cb_json_root(doc), *a = cb_json_get(root, "a"), *s = cb_json_get(root, "s");
+    CHECK(a && a->type == CB_JARR && a->len == 5, "array");
+    CHECK(a && a->items[0]->is_int && a->items[0]->inum == 1, "int");
+    CHECK(a && !a->items[1]->is_int && a->items[1]->num == -2500.0, "float");
+    CHECK(a && a->items[2]->type == CB_JBOOL && a->items[2]->boolean, "true");
+    CHECK(a && a->items[4]->type == CB_JNULL, "null");
+    CHECK(s && strcmp(s->str, "x\n\xc3\xa9\xf0\x9f\x98\x80\"") == 0, "escapes decode to UTF-8");
+    CHECK(cb_json_get(root, "big")->inum == 9007199254740993LL, "int64 beyond 2^53 is exact");
+    CHECK(cb_json_get(root, "o")->type == CB_JOBJ && cb_json_get(root, "o")->len == 0, "empty object");
+    CHECK(cb_json_get(root, "missing") == NULL, "absent key");
+    cb_json_free(doc);
+}
+
+static void test_json_invalid(void) {
+    const char *bad[] = {"", "{", "[1,]", "{\"a\":}", "{\"a\" 1}", "[1 2]", "\"abc", "tru", "nul", "01", "-",
+                         "1.", "1e", "{\"a\":1,}", "\"\\x\"", "\"\\ud800\"", "\"\\udc00\"", "\"\\u12\"", "[]]",
+                         "{1:2}", "\"a\tb\"", "{} {}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char err[256] = "";
+        cb_json_doc *doc = cb_json_parse(bad[i], strlen(bad[i]), err, sizeof err);
+        CHECK(doc == NULL, "accepted invalid JSON <%s>", bad[i]);
+        CHECK(strncmp(err, "invalid JSON at byte", 20) == 0, "message <%s> for <%s>", err, bad[i]);
+        cb_json_free(doc);
+    }
+    /* Deep nesting is refused, not a stack overflow. */
+    char deep[4001];
+    memset(deep, '[', 4000);
+    deep[4000] = 0;
+    char err[256];
+    CHECK(cb_json_parse(deep, 4000, err, sizeof err) == NULL && strstr(err, "nested too deeply"), "%s", err);
+}
+
+static void test_json_fuzz(void) {
+    const char *seeds[] = {
+        "{\"op\":\"submit\",\"id\":12,\"slot\":0,\"prompt\":[1,2,3],\"temperature\":0.7,\"stop\":[],\"logits\":true}",
+        "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},\"__metadata__\":{\"format\":\"pt\"}}",
+        "[\"\\u00e9\\ud83d\\ude00\", -0.0e-5, {\"\": [[[]]]}, null, false]",
+    };
+    char buf[512];
+    char err[256];
+    for (int iter = 0; iter < 200000; iter++) {
+        const char *seed = seeds[iter % 3];
+        size_t n = strlen(seed);
+        memcpy(buf, seed, n);
+        int mode = (int)(rnd() % 4);
+        if (mode == 0) {
+            n = rnd() % (n + 1);                         /* truncation */
+        } else if (mode == 1) {
+            int flips = 1 + (int)(rnd() % 4);             /* byte mutations */
+            for (int f = 0; f < flips; f++) buf[rnd() % n] = (char)(rnd() & 0xFF);
+        } else if (mode == 2) {
+            const char alphabet[] = "{}[]\",:\\u0123456789eE+-.tfnrul \t\n";
+            n = rnd() % 64;                               /* random JSON-ish tokens */
+            for (size_t i = 0; i < n; i++) buf[i] = alphabet[rnd() % (sizeof alphabet - 1)];
+        } else {
+            n = rnd() % 64;                               /* random bytes */
+            for (size_t i = 0; i < n; i++) buf[i] = (char)(rnd() & 0xFF);
+        }
+        /* Parse from an exact-size heap copy so ASan catches any read past the end. */
+        char *copy = malloc(n ? n : 1);
+        memcpy(copy, buf, n);
+        cb_json_doc *doc = cb_json_parse(copy, n, err, sizeof err);
+        if (!doc) CHECK(err[0] != 0, "error without message");
+        cb_json_free(doc);
+        free(copy);
+    }
+}
+
+/* ---- safetensors fixtures ---- */
+
+typedef struct {
+    const char *name, *dtype;
+    int ndim;
+    int64_t shape[2];
+    const void *data;
+    size_t nbytes;
+} fx_tensor;
+
+static char tmpdir[256];
+
+static void path_in_tmp(char *out, size_t n, const char *file) { snprintf(out, n, "%s/%s", tmpdir, file); }
+
+/* Write tensors to a safetensors file in the given order; returns the file's size. */
+static size_t write_shard(const char *file, const fx_tensor *t, int count) {
+    char header[8192];
+    size_t hl = 0, off = 0;
+    hl += (size_t)snprintf(header + hl, sizeof header - hl, "{");
+    for (int i = 0; i < count; i++) {
+        hl += (size_t)snprintf(header + hl, sizeof header - hl, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[",
+                               i ? "," : "", t[i].name, t[i].dtype);
+        for (int d = 0; d < t[i].ndim; d++)
+            hl += (size_t)snprintf(header + hl, sizeof header - hl, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+        hl += (size_t)snprintf(header + hl, sizeof header - hl, "],\"data_offsets\":[%zu,%zu]}", off,
+                               off + t[i].nbytes);
+        off += t[i].nbytes;
+    }
+    hl += (size_t)snprintf(header + hl, sizeof header - hl, "}");
+    while (hl % 8) header[hl++] = ' ';
+    char path[512];
+    path_in_tmp(path, sizeof path, file);
+    FILE *f = fopen(path, "wb");
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+    fwrite(len, 1, 8, f);
+    fwrite(header, 1, hl, f);
+    for (int i = 0; i < count; i++) fwrite(t[i].data, 1, t[i].nbytes, f);
+    fclose(f);
+    return 8 + hl + off;
+}
+
+static void clear_tmp(void) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -f %s/*", tmpdir);
+    CHECK(system(cmd) == 0, "rm");
+}
+
+static void test_safetensors(void) {
+    clear_tmp();
+    float a[6] = {1, 2, 3, 4, 5, 6};
+    uint16_t b[4] = {0x3f80, 0x4000, 0xbf80, 0x0000};   /* bf16 1, 2, -1, 0 */
+    fx_tensor ts[] = {{"a", "F32", 2, {2, 3}, a, sizeof a}, {"b", "BF16", 1, {4}, b, sizeof b},
+                      {"i", "I64", 1, {0}, a, 0}};
+    size_t size = write_shard("model.safetensors", ts, 3);
+    char err[512];
+    cb_st_index idx;
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "%s", err);
+    CHECK(idx.n_tensors == 3, "%d tensors", idx.n_tensors);
+    const cb_tensor *t = cb_st_find(&idx, "a");
+    CHECK(t && t->dtype == CB_F32 && t->ndim == 2 && t->shape[1] == 3 && t->nbytes == 24, "tensor a");
+    float *loaded = t ? cb_st_load(&idx, t, err, sizeof err) : NULL;
+    CHECK(loaded && loaded[5] == 6.0f, "loaded data");
+    free(loaded);
+    int64_t want[2] = {3, 2};
+    CHECK(!cb_st_expect(&idx, "a", 2, want, err, sizeof err) && strstr(err, "shape [2, 3]"), "%s", err);
+    CHECK(!cb_st_expect(&idx, "nope", 1, want, err, sizeof err) && strstr(err, "not found"), "%s", err);
+    int64_t zero[1] = {0};
+    CHECK(!cb_st_expect(&idx, "i", 1, zero, err, sizeof err) && strstr(err, "I64"), "%s", err);
+    cb_st_close(&idx);
+
+    /* Truncated: the data section no longer holds the last tensor. */
+    char path[512];
+    path_in_tmp(path, sizeof path, "model.safetensors");
+    CHECK(truncate(path, (off_t)(size - 4)) == 0, "truncate");
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, path) && strstr(err, "tensor b") &&
+              strstr(err, "truncated"), "%s", err);
+    CHECK(truncate(path, 5) == 0, "truncate");
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "truncated safetensors file"), "%s", err);
+
+    /* Byte count inconsistent with dtype x shape. */
+    fx_tensor wrong[] = {{"a", "F32", 2, {2, 2}, a, sizeof a}};
+    write_shard("model.safetensors", wrong, 1);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "x shape needs 16"), "%s", err);
+
+    /* Random header corruption never crashes: it either still validates or names the file. */
+    size = write_shard("model.safetensors", ts, 3);
+    FILE *f = fopen(path, "rb");
+    unsigned char *orig = malloc(size);
+    CHECK(fread(orig, 1, size, f) == size, "read back");
+    fclose(f);
+    for (int iter = 0; iter < 3000; iter++) {
+        unsigned char *m = malloc(size);
+        memcpy(m, orig, size);
+        int flips = 1 + (int)(rnd() % 3);
+        for (int k = 0; k < flips; k++) m[rnd() % (size - 24)] = (unsigned char)rnd();
+        f = fopen(path, "wb");
+        fwrite(m, 1, size - (iter % 7 == 0 ? rnd() % size : 0), f);
+        fclose(f);
+        free(m);
+        if (cb_st_open(&idx, tmpdir, err, sizeof err) == 0) cb_st_close(&idx);
+        else CHECK(strstr(err, path) != NULL, "error does not name the file: %s", err);
+    }
+    free(orig);
+
+    /* Sharded: the index's weight_map names the shards; a tensor in two shards is an error. */
+    clear_tmp();
+    fx_tensor s1[] = {{"a", "F32", 2, {2, 3}, a, sizeof a}}, s2[] = {{"b", "BF16", 1, {4}, b, sizeof b}};
+    write_shard("m-1.safetensors", s1, 1);
+    write_shard("m-2.safetensors", s2, 1);
+    path_in_tmp(path, sizeof path, "model.safetensors.index.json");
+    f = fopen(path, "w");
+    fputs("{\"metadata\":{},\"weight_map\":{\"a\":\"m-1.safetensors\",\"b\":\"m-2.safetensors\"}}", f);
+    fclose(f);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0 && idx.n_shards == 2 && cb_st_find(&idx, "b") &&
+              cb_st_find(&idx, "b")->shard == 1, "%s", err);
+    cb_st_close(&idx);
+    write_shard("m-2.safetensors", s1, 1);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "appears in both"), "%s", err);
+    f = fopen(path, "w");
+    fputs("{\"weight_map\":{\"a\":\"../etc/passwd\"}}", f);
+    fclose(f);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "weight_map[a]"), "%s", err);
+}
+
+/* ---- expert store ---- */
+
+enum { HID = 4, INTER = 3, NEXP = 4 };
+
+static float expert_value(int e, int m, int i) { return (float)(e * 100 + m * 10) + (float)i * 0.5f; }
+
+static void write_experts(int interleave) {
+    clear_tmp();
+    static float data[NEXP][3][HID * INTER];
+    static float filler[4] = {9, 9, 9, 9};
+    static char names[NEXP][3][96];
+    static const char *mat[3] = {"gate_proj", "up_proj", "down_proj"};
+    fx_tensor t[NEXP * 4];
+    int n = 0;
+    for (int e = 0; e < NEXP; e++)
+        for (int m = 0; m < 3; m++) {
+            for (int i = 0; i < HID * INTER; i++) data[e][m][i] = expert_value(e, m, i);
+            snprintf(names[e][m], sizeof names[e][m], "layers.0.experts.%d.%s", e, mat[m]);
+            int64_t r = m == 2 ? HID : INTER, c = m == 2 ? INTER : HID;
+            t[n++] = (fx_tensor){names[e][m], "F32", 2, {r, c}, data[e][m], sizeof data[e][m]};
+            if (interleave && m == 0 && e == 1) t[n++] = (fx_tensor){"filler", "F32", 1, {4}, filler, sizeof filler};
+        }
+    write_shard("model.safetensors", t, n);
+}
+
+static void test_experts(void) {
+    const char *const names[3] = {"layers.%d.experts.%d.gate_proj", "layers.%d.experts.%d.up_proj",
+                                  "layers.%d.experts.%d.down_proj"};
+    char err[512];
+    for (int interleave = 0; interleave < 2; interleave++) {
+        write_experts(interleave);
+        cb_st_index idx;
+        CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "%s", err);
+        cb_expert_layer L;
+        CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+        CHECK(L.loc[0].single_read && L.loc[1].single_read == !interleave, "contiguity detection");
+        size_t expert_bytes = 3 * HID * INTER * sizeof(float);
+        int order[] = {0, 1, 0, 2, 1, 0, 0, 3};
+        /* cap 2, LRU: 0 miss, 1 miss, 0 hit, 2 miss (evicts 1), 1 miss (evicts 0), 0 miss (evicts 2), 0 hit,
+         * 3 miss. */
+        int expect_hit[] = {0, 0, 1, 0, 0, 0, 1, 0};
+        for (int k = 0; k < 8; k++) {
+            uint64_t hits = L.count.hits;
+            cb_expert_view v;
+            CHECK(cb_experts_get(&L, order[k], &v, err, sizeof err) == 0, "%s", err);
+            CHECK((L.count.hits > hits) == expect_hit[k], "access %d of expert %d", k, order[k]);
+            for (int m = 0; m < 3; m++)
+                for (int i = 0; i < HID * INTER; i++)
+                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "expert %d matrix %d", order[k], m);
+        }
+        CHECK(L.count.hits == 2 && L.count.misses == 6, "hits %llu misses %llu", (unsigned long long)L.count.hits,
+              (unsigned long long)L.count.misses);
+        CHECK(L.count.bytes_read == 6 * expert_bytes, "bytes");
+        /* Expert 1 missed twice; with the filler between its gate and up it needs one read per matrix. */
+        uint64_t want_reads = interleave ? 6 + 2 * 2 : 6;
+        CHECK(L.count.reads == want_reads, "reads %llu", (unsigned long long)L.count.reads);
+        cb_expert_view v;
+        CHECK(cb_experts_get(&L, NEXP, &v, err, sizeof err) != 0 && strstr(err, "out of range"), "%s", err);
+        cb_experts_free(&L);
+        /* cap 0 keeps every expert once read. */
+        CHECK(cb_experts_init(&L, &idx, 0, NEXP, 0, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+        for (int k = 0; k < 8; k++) cb_experts_get(&L, order[k], &v, err, sizeof err);
+        CHECK(L.cap == NEXP && L.count.misses == 4 && L.count.hits == 4, "cap 0");
+        cb_experts_free(&L);
+        /* A wrong shape is named. */
+        CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID + 1, INTER, names, err, sizeof err) != 0 &&
+                  strstr(err, "gate_proj") && strstr(err, "shape"), "%s", err);
+        cb_st_close(&idx);
+    }
+}
+
+/* ---- sampler ---- */
+
+static void test_sampler(void) {
+    float logits[8] = {0.1f, 2.0f, -1.0f, 2.0f, 1.9f, 0.0f, -3.0f, 1.0f};
+    float work[16];
+    cb_sampler s;
+    cb_sampler_init(&s, 0.0f, 1.0f, 0, 1);
+    CHECK(cb_sample(&s, logits, 8, work) == 1, "greedy takes the lowest index on ties");
+    cb_sampler_init(&s, 1.0f, 1.0f, 1, 5);
+    CHECK(cb_sample(&s, logits, 8, work) == 1, "top_k 1 is greedy");
+    int a[64], b[64], counts[8] = {0};
+    cb_sampler_init(&s, 1.0f, 1.0f, 0, 42);
+    for (int i = 0; i < 64; i++) a[i] = cb_sample(&s, logits, 8, work);
+    cb_sampler_init(&s, 1.0f, 1.0f, 0, 42);
+    for (int i = 0; i < 64; i++) b[i] = cb_sample(&s, logits, 8, work);
+    CHECK(memcmp(a, b, sizeof a) == 0, "same seed, same draws");
+    cb_sampler_init(&s, 1.0f, 0.5f, 3, 7);
+    for (int i = 0; i < 2000; i++) counts[cb_sample(&s, logits, 8, work)]++;
+    /* top-3 = {1, 3, 4}; top-p 0.5 of their mass keeps the first two (equal probabilities). */
+    CHECK(counts[1] > 800 && counts[3] > 800 && counts[1] + counts[3] == 2000, "top-k/top-p support %d %d %d",
+          counts[1], counts[3], counts[4]);
+}
+
+int main(void) {
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/cb-test-runtime-XXXXXX");
+    if (!mkdtemp(tmpdir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    test_json_valid();
+    test_json_invalid();
+    test_json_fuzz();
+    test_safetensors();
+    test_experts();
+    test_sampler();
+    clear_tmp();
+    rmdir(tmpdir);
+    printf("test_runtime: %d checks, %d failed\n", checks, failures);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,93 @@
+"""colibri's sessions. ``nox -s tests`` is the one command CI (``.ci/run``) and the README run.
+
+``nox -l`` lists every session with its docstring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+nox.options.sessions = ["lint", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+# torch first and pinned: pip then takes the CPU build that lies on this machine's disk, instead of letting a
+# later requirement pull a multi-GB CUDA build from the index.
+TORCH = "torch==2.13.0"
+TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables")
+RUFF_ARGS = ("--line-length", "120", "--target-version", "py310", "--select", "E,F,W,B", "--ignore", "B008,B905")
+PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def packages() -> list[str]:
+    """Every package directory of the monorepo (core first), found by its pyproject.toml."""
+    found = sorted(p.name for p in ROOT.glob("colibri-*") if (p / "pyproject.toml").is_file())
+    return sorted(found, key=lambda name: name != "colibri-core")
+
+
+def test_dirs(session: nox.Session, dirs: list[Path]) -> list[str]:
+    """The given test folders, refusing any that holds no test file: pytest must never exit 5 (no tests)."""
+    out = []
+    for directory in dirs:
+        if not any(directory.rglob("test_*.py")):
+            session.error(f"{directory.relative_to(ROOT)}: no test_*.py files; every package must ship tests")
+        out.append(str(directory.relative_to(ROOT)))
+    return out
+
+
+def install_everything(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(*TEST_REQUIREMENTS)
+    editable: list[str] = []
+    for name in packages():
+        editable += ["-e", str(ROOT / name)]
+    # The build backend is installed above, so the editable builds need neither isolation nor the network.
+    session.install("--no-build-isolation", *editable)
+
+
+def run_pytest(session: nox.Session, dirs: list[Path]) -> None:
+    session.run("python", "-m", "pytest", *PYTEST_ARGS, *session.posargs, *test_dirs(session, dirs), env=TEST_ENV,
+                success_codes=[0])
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All tests (the CI command): every package editable plus torch/transformers/diffusers, pytest offline.
+
+    One venv; pytest runs over each package's tests/ and the integration tests/ with HF_HUB_OFFLINE=1.
+    """
+    install_everything(session)
+    run_pytest(session, [ROOT / name / "tests" for name in packages()] + [ROOT / "tests"])
+
+
+@nox.session
+@nox.parametrize("package", packages())
+def package_tests(session: nox.Session, package: str) -> None:
+    """One package's own tests (with every package installed, since families build on core)."""
+    install_everything(session)
+    run_pytest(session, [ROOT / package / "tests"])
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """The cross-package integration tests in tests/ (third-party plugin discovery, end-to-end CLI runs)."""
+    install_everything(session)
+    run_pytest(session, [ROOT / "tests"])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository (settings here: line length 120, rules E, F, W, B; typer's B008 idiom allowed)."""
+    session.install("ruff")
+    session.run("ruff", "check", *RUFF_ARGS, *session.posargs, str(ROOT))
+
+
+@nox.session(python=False)
+def engines(session: nox.Session) -> None:
+    """The C engines' own tests, then the same under AddressSanitizer and UndefinedBehaviorSanitizer."""
+    session.run("make", "-C", str(ROOT / "engines"), "test", external=True)
+    session.run("make", "-C", str(ROOT / "engines"), "sanitize", external=True)
