@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import nox
@@ -39,19 +40,29 @@ def test_dirs(session: nox.Session, dirs: list[Path]) -> list[str]:
     return out
 
 
+def install_spec(name: str) -> str:
+    """``DIR[test]`` when the package declares a ``test`` extra (test-only requirements), else ``DIR``."""
+    with open(ROOT / name / "pyproject.toml", "rb") as fh:
+        extras = tomllib.load(fh).get("project", {}).get("optional-dependencies", {})
+    return f"{ROOT / name}[test]" if "test" in extras else str(ROOT / name)
+
+
 def install_everything(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(*TEST_REQUIREMENTS)
     editable: list[str] = []
     for name in packages():
-        editable += ["-e", str(ROOT / name)]
+        editable += ["-e", install_spec(name)]
     # The build backend is installed above, so the editable builds need neither isolation nor the network.
     session.install("--no-build-isolation", *editable)
 
 
 def run_pytest(session: nox.Session, dirs: list[Path]) -> None:
-    session.run("python", "-m", "pytest", *PYTEST_ARGS, *session.posargs, *test_dirs(session, dirs), env=TEST_ENV,
-                success_codes=[0])
+    paths = test_dirs(session, dirs)
+    # importlib mode lets every package keep a plain tests/ folder (same-named conftest and test files do not
+    # clash); pythonpath keeps each folder's helper modules importable by its tests, as in pytest's default mode.
+    session.run("python", "-m", "pytest", *PYTEST_ARGS, "-o", "pythonpath=" + " ".join(paths), *session.posargs,
+                *paths, env=TEST_ENV, success_codes=[0])
 
 
 @nox.session
@@ -91,3 +102,12 @@ def engines(session: nox.Session) -> None:
     """The C engines' own tests, then the same under AddressSanitizer and UndefinedBehaviorSanitizer."""
     session.run("make", "-C", str(ROOT / "engines"), "test", external=True)
     session.run("make", "-C", str(ROOT / "engines"), "sanitize", external=True)
+
+
+@nox.session
+def convert_slow(session: nox.Session) -> None:
+    """coli convert on a >2 GB synthetic checkpoint must keep its peak RSS under 1 GiB (slow; not in `tests`)."""
+    install_everything(session)
+    session.run("python", "-m", "pytest", *PYTEST_ARGS, "-s", *session.posargs,
+                "colibri-core/tests/test_convert_slow.py", env={**TEST_ENV, "COLIBRI_SLOW_TESTS": "1"},
+                success_codes=[0])

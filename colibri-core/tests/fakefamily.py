@@ -86,7 +86,8 @@ def make_checkpoint(directory: Path, trained_tokenizer, chat_template: str | Non
     directory.mkdir(parents=True, exist_ok=True)
     vocab = trained_tokenizer.get_vocab_size()
     (directory / "config.json").write_text(json.dumps({"model_type": FAMILY, "vocab_size": vocab}))
-    tensors = {"embed": np.zeros((vocab, HIDDEN), np.float32), "layers.0.router": np.zeros((EXPERTS, HIDDEN), np.float32)}
+    tensors = {"embed": np.zeros((vocab, HIDDEN), np.float32),
+               "layers.0.router": np.zeros((EXPERTS, HIDDEN), np.float32)}
     for e in range(EXPERTS):
         tensors[f"layers.0.experts.{e}.gate"] = np.zeros((INTER, HIDDEN), np.float32)
         tensors[f"layers.0.experts.{e}.up"] = np.zeros((INTER, HIDDEN), np.float32)

@@ -25,7 +25,8 @@ from colibri.engine import Engine
 from colibri.prompt import Sampling
 from colibri.tokenizer import load_tokenizer_dir
 
-from fakefamily import HERE, install_engine_wrapper, make_checkpoint, register
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
+from fakefamily import HERE, install_engine_wrapper, make_checkpoint, register  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,8 @@ def test_render_is_byte_identical(tmp_path, trained, template, conv, gen_prompt)
     got = mine.render_chat(messages, add_generation_prompt=gen_prompt)
     assert got == expected
     assert mine.encode(got, add_special_tokens=False) == hf(expected, add_special_tokens=False).input_ids
-    assert mine.encode_chat(messages, add_generation_prompt=gen_prompt) == hf(expected, add_special_tokens=False).input_ids
+    want_ids = hf(expected, add_special_tokens=False).input_ids
+    assert mine.encode_chat(messages, add_generation_prompt=gen_prompt) == want_ids
 
 
 @pytest.mark.parametrize("thinking", [True, False, None])

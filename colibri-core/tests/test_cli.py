@@ -68,6 +68,14 @@ def test_error_is_red_on_a_tty_and_plain_otherwise(monkeypatch):
     assert pipe.getvalue() == "error: two lines\n"
 
 
+def test_a_bad_flag_value_is_one_line(olmoe_family):
+    result = runner.invoke(app, ["plan", "--ctx", "many"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--ctx'")
+    assert "(see coli plan --help)" in lines[0]
+
+
 def test_a_family_bug_is_one_line_without_debug(olmoe_family, family_class, tiny_olmoe):
     class Buggy(family_class):
         name = "buggy"
@@ -228,6 +236,28 @@ def test_info_counts_skipped_prefixes_apart(olmoe_family, family_class, tiny_olm
     assert data["parameters"]["skipped"] == layer1
     assert data["parameters"]["total"] == tiny_olmoe.num_parameters - layer1
     assert data["bytes"]["skipped"] == layer1 * 4
+
+
+def test_info_leaves_buffers_out_of_parameter_counts(olmoe_family, family_class, tiny_olmoe):
+    class WithBuffer(family_class):
+        @hookimpl
+        def tensor_layout(self, model):
+            from dataclasses import replace
+
+            return replace(super().tensor_layout(model), buffers=("model.norm.weight",))
+
+    plugins.reset()
+    plugins.register(WithBuffer(), "testolmoe")
+    data = json.loads(runner.invoke(app, ["info", "--json", "--model", str(tiny_olmoe.path)]).stdout)
+    hidden = json.loads((tiny_olmoe.path / "config.json").read_text())["hidden_size"]
+    assert data["parameters"]["buffers"] == hidden
+    assert data["parameters"]["total"] == tiny_olmoe.num_parameters - hidden
+    assert data["bytes"]["total"] == (tiny_olmoe.path / "model.safetensors").stat().st_size - _data_start(
+        tiny_olmoe.path / "model.safetensors")
+
+
+def _data_start(path):
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
 
 
 def test_info_on_a_broken_shard_is_one_line(olmoe_family, olmoe_copy):

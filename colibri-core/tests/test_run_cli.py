@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +14,8 @@ from colibri.cli import app
 from colibri.demo_tokenizer import stdlib_texts, train_bpe
 from colibri.tokenizer import load_tokenizer_dir
 
-from fakefamily import MAX_CONTEXT, install_engine_wrapper, make_checkpoint, register
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
+from fakefamily import MAX_CONTEXT, install_engine_wrapper, make_checkpoint, register  # noqa: E402
 
 
 def expected_tokens(prompt, n, vocab, stop=()):
@@ -74,7 +77,9 @@ def test_chat_mode_uses_the_template_and_streams_text(fake):
     text = tok.decode([t for t in want if t not in tok.stop_ids], skip_special_tokens=True)
     assert res.stdout == text + ("" if text.endswith("\n") else "\n")
     line = res.stderr.strip().splitlines()[-1]
-    assert "prefill" in line and "tok/s" in line and "expert hit rate 75.0%" in line and "RSS 50.00 MiB" in line and "decode 8 tok @ 100.0 tok/s" in line
+    for part in (f"prefill {len(ids)} tok @ 1000.0 tok/s", "decode 8 tok @ 100.0 tok/s", "expert hit rate 75.0%",
+                 "RSS 50.00 MiB"):
+        assert part in line
 
 
 def test_no_template_falls_back_with_a_notice(fake, trained, tmp_path):
@@ -179,3 +184,39 @@ def test_e2e_olmoe_chat_streams_text(real_olmoe):
     assert res.exit_code == 0, res.output
     line = res.stderr.strip().splitlines()[-1]
     assert line.startswith("prefill ") and "expert hit rate" in line
+
+
+def test_hook_load_tokenizer_default_and_family_override(fake, trained):
+    """Core's default reads the directory; a family answering the hook wins, and `coli run` uses its answer."""
+    from colibri import hookimpl
+    from colibri.chat_template import ChatTemplate
+    from colibri.inventory import family_answer
+    from colibri.model import resolve_model
+    from colibri.tokenizer import TextTokenizer
+
+    model = resolve_model(fake)
+    default = family_answer(model, "load_tokenizer")
+    assert isinstance(default, TextTokenizer) and default.has_chat_template
+    assert default.encode("abc") == load_tokenizer_dir(fake).encode("abc")
+
+    class OwnPromptFormat:
+        @hookimpl
+        def load_tokenizer(self, model):
+            tok = load_tokenizer_dir(model.path)
+            tok.templates = {"default": ChatTemplate("[[{{ messages[-1]['content'] }}]]", "family plugin")}
+            return tok
+
+    plugins.manager().register(OwnPromptFormat(), name="fakemoe-tokenizer")
+    try:
+        # Restricted to the claiming family: another plugin's answer must not leak in.
+        assert family_answer(model, "load_tokenizer").templates == default.templates
+    finally:
+        plugins.manager().unregister(name="fakemoe-tokenizer")
+
+    family_plugin = plugins.manager().get_plugin("fakemoe")
+    family_plugin.load_tokenizer = OwnPromptFormat().load_tokenizer
+    plugins.manager().unregister(name="fakemoe")
+    plugins.manager().register(family_plugin, name="fakemoe")
+    res = invoke("run", "hey", "--model", fake, "--json", "--max-tokens", 1)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["prompt_ids"] == default.encode("[[hey]]", add_special_tokens=False)

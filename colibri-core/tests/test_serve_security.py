@@ -28,10 +28,13 @@ def server(model_dir):
     running.stop()
 
 
+HTTP = httpx.Client(timeout=30)   # one client: building one per request (SSL context and all) is slow
+
+
 def post(server, path, body=None, key=KEY, content=None, headers=None):
     h = {"authorization": f"Bearer {key}"} if key else {}
     h.update(headers or {})
-    return httpx.post(server.base + path, json=body, content=content, headers=h, timeout=30)
+    return HTTP.post(server.base + path, json=body, content=content, headers=h)
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}

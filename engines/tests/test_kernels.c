@@ -6,6 +6,7 @@
  * does), the AVX-512 tile shapes are also checked on AVX2 registers, so the AVX-512 loop logic is tested even
  * where the CPU has no AVX-512. Prints "N passed, N failed"; exits 1 on any failure.
  */
+#define _POSIX_C_SOURCE 200112L
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -368,10 +369,48 @@ static void test_thread_counts(cb_isa isa) {
     cb_threads_init(1);
 }
 
+/* The order of kernels.h written out independently of kernels_scalar.c: lane c % 16, halving tree, tail. */
+static float spec_dot(const float *w, const float *x, int cols) {
+    float lanes[16];
+    for (int k = 0; k < 16; k++) lanes[k] = 0.0f;
+    int tail_start = cols / 16 * 16;
+    for (int c = 0; c < tail_start; c++) lanes[c % 16] = fmaf(w[c], x[c], lanes[c % 16]);
+    for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
+    float sum = lanes[0];
+    for (int c = tail_start; c < cols; c++) sum = fmaf(w[c], x[c], sum);
+    return sum;
+}
+
+static void test_scalar_follows_spec(void) {
+    for (int d = 0; d < 3; d++) {
+        for (int s = 0; s < N_SHAPES; s++) {
+            int rows = SHAPES[s][0] < 40 ? SHAPES[s][0] : 40, cols = SHAPES[s][1];
+            seed((uint64_t)(s * 13 + d));
+            void *W = random_weights(DTYPES[d], (size_t)rows * cols);
+            float *x = random_vector((size_t)cols), *wf = malloc((size_t)cols * sizeof *wf + 1);
+            int bad = 0;
+            for (int r = 0; r < rows; r++) {
+                const char *row = (const char *)W + (size_t)r * cols * cb_dtype_size(DTYPES[d]);
+                float got;
+                cb_rows_scalar(&got, 0, row, DTYPES[d], x, 0, 1, 0, 1, cols);
+                cb_convert_scalar(wf, row, DTYPES[d], (size_t)cols);
+                float want = spec_dot(wf, x, cols);
+                bad += memcmp(&got, &want, sizeof got) != 0;
+            }
+            check(bad == 0, "scalar %s %dx%d: %d rows differ from the order written in kernels.h",
+                  dtype_name(DTYPES[d]), rows, cols, bad);
+            free(W);
+            free(x);
+            free(wf);
+        }
+    }
+}
+
 /* The order is part of the contract across machines and compilers, not just within one binary: a digest of
  * seeded scalar results pins it, so a change to the order (or a compiler that fuses differently) fails here.
  * The value was produced by this implementation; if the order is changed on purpose, update it and say so. */
-#define GOLDEN_DIGEST 0x0ull
+#define GOLDEN_DIGEST 0x3ffb25c9ba858709ull
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
     const unsigned char *p = data;
@@ -585,11 +624,15 @@ static void test_isa_selection(void) {
 int main(void) {
     cb_isa best = cb_isa_detect();
     printf("detected ISA: %s\n", cb_isa_name(best));
+    /* Before anything reads the ISA: an unusable COLIBRI_ISA falls back to the detected one and says why. */
+    setenv("COLIBRI_ISA", "avx1024", 1);
+    check(cb_get_isa() == best && cb_isa_env_error() != NULL, "COLIBRI_ISA=avx1024 falls back with a message");
     test_isa_selection();
     test_f16_all_patterns();
     test_bf16_rounding();
     test_thread_pool();
     test_scalar_is_a_dot_product();
+    test_scalar_follows_spec();
     test_golden_digest();
     test_rmsnorm();
     test_softmax();

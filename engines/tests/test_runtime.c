@@ -75,6 +75,18 @@ static void test_json_invalid(void) {
     CHECK(cb_json_parse(deep, 4000, err, sizeof err) == NULL && strstr(err, "nested too deeply"), "%s", err);
 }
 
+static void test_json_output(void) {
+    cb_buf b = {0};
+    cb_buf_json_str(&b, "a\"b\\c\n\x01 \xc3\xa9 \xff \xc3 \xed\xa0\x80 \xf0\x9f\x98\x80");
+    CHECK(strcmp(b.data, "\"a\\\"b\\\\c\\n\\u0001 \xc3\xa9 \\ufffd \\ufffd \\ufffd\\ufffd\\ufffd \xf0\x9f\x98\x80\"") == 0,
+          "escaped: %s", b.data);
+    char err[256];
+    cb_json_doc *doc = cb_json_parse(b.data, b.len, err, sizeof err);
+    CHECK(doc != NULL, "output parses back: %s", err);
+    cb_json_free(doc);
+    cb_buf_free(&b);
+}
+
 static void test_json_fuzz(void) {
     const char *seeds[] = {
         "{\"op\":\"submit\",\"id\":12,\"slot\":0,\"prompt\":[1,2,3],\"temperature\":0.7,\"stop\":[],\"logits\":true}",
@@ -338,6 +350,7 @@ int main(void) {
     }
     test_json_valid();
     test_json_invalid();
+    test_json_output();
     test_json_fuzz();
     test_safetensors();
     test_experts();

@@ -104,7 +104,8 @@ def select_template(templates: Mapping[str, ChatTemplate], name: str | None = No
         return None
     if name is not None:
         if name not in templates:
-            raise UsageError(f"chat template {name!r} not found", f"this checkpoint has: {', '.join(sorted(templates))}")
+            raise UsageError(f"chat template {name!r} not found",
+                             f"this checkpoint has: {', '.join(sorted(templates))}")
         return templates[name]
     if with_tools and "tool_use" in templates:
         return templates["tool_use"]

@@ -270,6 +270,8 @@ def check_roles(layout: TensorLayout, names: set[str], geometry: Geometry) -> Ch
                             + (f" (and {len(missing) - 1} more of that expert)" if len(missing) > 1 else ""))
     for name in layout.required:
         need("required", name)
+    for name in layout.buffers:
+        need("buffer", name)
     moe_layers = {ex.layer for ex in layout.experts}
     if geometry.num_experts:
         for layer in sorted(moe_layers):

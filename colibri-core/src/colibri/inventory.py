@@ -67,9 +67,10 @@ def _skipped(name: str, layout: TensorLayout | None) -> bool:
 class Inventory:
     """Bytes and parameters of a checkpoint split by role. Skipped tensors (never loaded) are counted apart."""
 
-    total_params: int             # every loaded tensor's numel (skipped excluded)
+    total_params: int             # every loaded tensor's numel (skipped tensors and buffers excluded)
     active_params: int            # per token: total - routed experts + top_k experts' worth per MoE layer
     skipped_params: int
+    buffer_elements: int          # numel of stored non-parameter tensors (layout.buffers)
     routed_params: int
     dense_bytes: int              # non-expert, non-embedding tensors as stored
     expert_bytes: int             # all routed experts as stored
@@ -107,7 +108,8 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
     embedding_names = set()
     if layout is not None:
         embedding_names = set(layout.embeddings) | ({layout.lm_head} if layout.lm_head else set())
-    total = skipped_params = routed = 0
+    buffers = set(layout.buffers) if layout is not None else set()
+    total = skipped_params = routed = buffer_elements = 0
     dense_b = expert_b = embed_b = skipped_b = 0
     dtypes: dict[str, int] = {}
     for t in tensors:
@@ -115,7 +117,10 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
             skipped_params += t.numel
             skipped_b += t.nbytes
             continue
-        total += t.numel
+        if t.name in buffers:
+            buffer_elements += t.numel
+        else:
+            total += t.numel
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + 1
         if t.name in expert_names:
             routed += t.numel
@@ -137,5 +142,5 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
         active -= layer_params - (layer_params * k) // len(layer)
         bytes_per_expert = max([bytes_per_expert] + [sum(t.nbytes for t in ts) for ts in layer.values()])
         experts_per_layer = max(experts_per_layer, len(layer))
-    return Inventory(total, active, skipped_params, routed, dense_b, expert_b, embed_b, skipped_b,
+    return Inventory(total, active, skipped_params, buffer_elements, routed, dense_b, expert_b, embed_b, skipped_b,
                      bytes_per_expert, experts_per_layer, len([g for g in groups.values() if g]), dtypes)

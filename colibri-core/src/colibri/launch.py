@@ -89,7 +89,8 @@ def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None)
                                         f"reserve {human_bytes(plan.reserve_bytes)} leave no room for one expert "
                                         "slot per layer")
         raise InsufficientMemoryError(f"--ram {ram / GIB:.2f} GiB does not fit {facts.model.path.name}: {why}",
-                         f"it needs at least {plan.min_ram_bytes / GIB:.2f} GiB; pass a larger --ram or a smaller --ctx")
+                                      f"it needs at least {plan.min_ram_bytes / GIB:.2f} GiB; "
+                                      "pass a larger --ram or a smaller --ctx")
     return plan
 
 

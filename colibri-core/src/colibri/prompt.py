@@ -87,5 +87,6 @@ def clamp_max_tokens(max_tokens: int, prompt_len: int, ctx: int) -> tuple[int, s
         raise UsageError(f"the prompt is {prompt_len} tokens and --ctx {ctx} leaves no room to generate",
                          f"pass --ctx {prompt_len + max_tokens} or a shorter prompt")
     if max_tokens > room:
-        return room, f"--max-tokens {max_tokens} clamped to {room}: the prompt uses {prompt_len} of {ctx} context tokens"
+        return room, (f"--max-tokens {max_tokens} clamped to {room}: "
+                      f"the prompt uses {prompt_len} of {ctx} context tokens")
     return max_tokens, ""

@@ -115,6 +115,8 @@ class TensorLayout:
     experts: tuple[ExpertTensors, ...]
     required: tuple[str, ...] = ()         # every other tensor the engine needs
     skipped_prefixes: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()          # stored tensors that are not parameters (e.g. e_score_correction_bias,
+                                           # tid2eid): loaded and counted in bytes, never in parameter counts
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> s
 
     prefilled = stats.get("prefilled_tokens", stats.get("prompt_tokens", 0))
     reused = (accept or {}).get("reused_tokens", max(0, stats.get("prompt_tokens", 0) - prefilled))
-    parts = [f"prefill {prefilled} tok" + (f" (+{reused} reused)" if reused else "") + f" @ {_rate(stats.get('prefill_tps'))}",
+    reuse = f" (+{reused} reused)" if reused else ""
+    parts = [f"prefill {prefilled} tok{reuse} @ {_rate(stats.get('prefill_tps'))}",
              f"decode {stats.get('generated_tokens', 0)} tok @ {_rate(stats.get('decode_tps'))}"]
     if "hit_rate" in stats:
         parts.append(f"expert hit rate {100 * float(stats['hit_rate']):.1f}%")

@@ -6,7 +6,6 @@ import os
 import traceback
 from typing import Any, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -24,11 +23,17 @@ class ColiGroup(TyperGroup):
     ``--debug`` (or ``COLI_DEBUG=1``) prints the traceback as well.
     """
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort):
             raise
+        except typer.TyperException as exc:  # typer's own usage errors (bad flag value, unknown option)
+            if not hasattr(exc, "format_message"):
+                raise
+            where = getattr(getattr(exc, "ctx", None), "command_path", None) or "coli"
+            print_error(f"{exc.format_message()} (see {where} --help)")
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except ColibriError as exc:
             if _debug(ctx):
                 traceback.print_exc()
@@ -43,7 +48,7 @@ class ColiGroup(TyperGroup):
             raise typer.Exit(1) from None
 
 
-def _debug(ctx: click.Context) -> bool:
+def _debug(ctx: Any) -> bool:
     return bool(ctx.params.get("debug")) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 

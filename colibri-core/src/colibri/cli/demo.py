@@ -104,4 +104,4 @@ def demo_command(
         ("reminder", "random weights: the text above is noise by construction"),
     ])
     if reply.interrupted:
-        raise typer.Exit(130)
+        raise SystemExit(130)  # 128 + SIGINT, as a shell reports an interrupted command

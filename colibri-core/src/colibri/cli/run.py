@@ -86,4 +86,4 @@ def run_command(
         sys.stderr.write(stats_line(reply.stats, reply.accept) + "\n")
         sys.stderr.flush()
     if reply.interrupted:
-        raise typer.Exit(130)
+        raise SystemExit(130)  # 128 + SIGINT, as a shell reports an interrupted command

@@ -179,6 +179,7 @@ static void take_token(engine_t *E, slot_t *s, const float *logits) {
     cb_buf_printf(&E->out, "{\"ev\":\"token\",\"id\":%lld,\"tok\":%d}", (long long)s->id, tok);
     emit(E);
     s->generated++;
+    E->generated_total++;
     for (int i = 0; i < s->n_stop; i++)
         if (s->stop[i] == tok) {
             finish(E, s, "stop");
@@ -234,7 +235,6 @@ static int step(engine_t *E, slot_t *s, char *err) {
     if (forward(E, s, &s->pending, 1, 0, err)) return -1;
     s->decode_s += now_s() - t0;
     s->decode_steps++;
-    E->generated_total++;
     take_token(E, s, E->logits);
     return 0;
 }

@@ -400,14 +400,34 @@ void cb_buf_printf(cb_buf *b, const char *fmt, ...) {
     b->len += (size_t)n;
 }
 
+/* Length of the valid UTF-8 sequence at q (1-4), or 0 when it is not one (overlong, surrogate, truncated). */
+static int utf8_len(const unsigned char *q) {
+    if (q[0] < 0x80) return 1;
+    int n = q[0] >= 0xC2 && q[0] <= 0xDF ? 2 : q[0] >= 0xE0 && q[0] <= 0xEF ? 3 : q[0] >= 0xF0 && q[0] <= 0xF4 ? 4 : 0;
+    if (!n) return 0;
+    for (int i = 1; i < n; i++)
+        if ((q[i] & 0xC0) != 0x80) return 0;
+    if (n == 3 && ((q[0] == 0xE0 && q[1] < 0xA0) || (q[0] == 0xED && q[1] >= 0xA0))) return 0;
+    if (n == 4 && ((q[0] == 0xF0 && q[1] < 0x90) || (q[0] == 0xF4 && q[1] >= 0x90))) return 0;
+    return n;
+}
+
 void cb_buf_json_str(cb_buf *b, const char *s) {
     cb_buf_put(b, "\"", 1);
-    for (const unsigned char *q = (const unsigned char *)s; *q; q++) {
+    for (const unsigned char *q = (const unsigned char *)s; *q;) {
         if (*q == '"') cb_buf_put(b, "\\\"", 2);
         else if (*q == '\\') cb_buf_put(b, "\\\\", 2);
         else if (*q == '\n') cb_buf_put(b, "\\n", 2);
         else if (*q < 0x20) cb_buf_printf(b, "\\u%04x", *q);
-        else cb_buf_put(b, (const char *)q, 1);
+        else {
+            /* Events must stay valid UTF-8 whatever bytes a request or a path carried. */
+            int n = utf8_len(q);
+            if (n) cb_buf_put(b, (const char *)q, (size_t)n);
+            else cb_buf_puts(b, "\\ufffd");
+            q += n ? n : 1;
+            continue;
+        }
+        q++;
     }
     cb_buf_put(b, "\"", 1);
 }

@@ -34,6 +34,7 @@ from .textgen import StopMatcher
 from .validation import GenerationSpec
 
 KEEPALIVE_S = 10.0
+DISCONNECT_POLL_S = 0.5
 
 
 class Codec(Protocol):
@@ -317,11 +318,11 @@ async def run_to_completion(run: GenerationRun, disconnected: Callable[[], Any])
     task = asyncio.ensure_future(consume())
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=1.0)
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await disconnected():
                 task.cancel()
-                break
-        result = await task
+                raise APIError(499, "client closed the connection", code="client_disconnected")
+        result = task.result()
     finally:
         run.close()
     if isinstance(result, Failed):

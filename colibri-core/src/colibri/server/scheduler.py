@@ -93,7 +93,7 @@ class SlotScheduler:
         try:
             slot, reused = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self.queue_timeout)
         except asyncio.TimeoutError:
-            if not self._withdraw(waiter):
+            if self._withdraw(waiter):
                 raise APIError(429, f"server busy: no KV slot became free within {self.queue_timeout:g} s; "
                                     f"retry later", code="queue_timeout",
                                headers={"Retry-After": str(self.retry_after_s())}) from None
@@ -107,7 +107,7 @@ class SlotScheduler:
 
     def _withdraw(self, waiter: _Waiter) -> bool:
         """Take a waiter off the queue; False when it had already been granted a slot."""
-        if waiter.future.done():
+        if waiter.future.done() and not waiter.future.cancelled():
             return False
         try:
             self._waiters.remove(waiter)

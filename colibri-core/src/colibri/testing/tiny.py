@@ -265,7 +265,7 @@ def redraw_weights(model: Any, seed: int, num_experts: int | None = None, salt: 
                 value = _CORRECTION_BIAS_STD * noise
             elif leaf == "bias" or any(name.endswith(s) for s in _BIAS_LIKE):
                 value = 0.1 * noise
-            elif len(shape) == 1 and "norm" in name:
+            elif len(shape) == 1 and "norm" in name.lower():
                 value = 1.0 + 0.1 * noise
             elif len(shape) >= 2:
                 value = noise / math.sqrt(math.prod(shape[1:]))
@@ -538,25 +538,37 @@ EXTRACTOR_HEADS: dict[str, tuple[str, ...]] = {
 
 def build_extractor(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
                     **overrides: Any) -> TinyModel:
-    """A GLiNER2-style decision checkpoint: tiny BERT encoder (``encoder.*``) + span/classifier heads.
+    """A GLiNER2-style decision checkpoint: tiny encoder (``encoder.*``) + span/classifier heads.
 
-    ``overrides`` go to the encoder config (e.g. ``num_hidden_layers=3``); ``max_width`` and ``max_count`` set the
-    head geometry. ``num_parameters`` = encoder parameters + head parameters.
+    ``encoder="bert"`` (default) or ``"deberta-v2"`` (what GLiNER2 ships) picks the encoder; other ``overrides`` go
+    to the encoder config (e.g. ``num_hidden_layers=3``); ``max_width`` and ``max_count`` set the head geometry.
+    ``num_parameters`` = encoder parameters + head parameters.
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import BertConfig, BertModel
+    from transformers import BertConfig, BertModel, DebertaV2Config, DebertaV2Model
 
     out = Path(out_dir)
+    encoder_kind = str(overrides.pop("encoder", "bert"))
     max_width = int(overrides.pop("max_width", 8))
     max_count = int(overrides.pop("max_count", 20))
     enc_fields: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=64, max_position_embeddings=128, type_vocab_size=2)
-    enc_fields.update(overrides)
+                                      intermediate_size=64, max_position_embeddings=128)
     torch.manual_seed(seed)
-    enc_config = BertConfig(**enc_fields)
-    encoder = BertModel(enc_config, add_pooling_layer=False)
-    redraw_weights(encoder, seed)
+    if encoder_kind == "bert":
+        enc_fields.update(type_vocab_size=2, **overrides)
+        enc_config = BertConfig(**enc_fields)
+        encoder = BertModel(enc_config, add_pooling_layer=False)
+    elif encoder_kind == "deberta-v2":
+        # deberta-v3-base style: relative attention, no absolute positions, no token types
+        enc_fields.update(type_vocab_size=0, relative_attention=True, position_buckets=16, max_relative_positions=-1,
+                          position_biased_input=False, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                          share_att_key=True, **overrides)
+        enc_config = DebertaV2Config(**enc_fields)
+        encoder = DebertaV2Model(enc_config)
+    else:
+        raise ValueError(f"encoder {encoder_kind!r}: use 'bert' or 'deberta-v2'")
+    redraw_weights(encoder, seed, salt="extractor")
     h = enc_config.hidden_size
     head_shapes = {
         "span_rep.project_start": ((4 * h, h), (4 * h,), (h, 4 * h), (h,)),
@@ -565,33 +577,27 @@ def build_extractor(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "
         "classifier": ((2 * h, h), (2 * h,), (1, 2 * h), (1,)),
         "count_pred": ((2 * h, h), (2 * h,), (max_count, 2 * h), (max_count,)),
     }
-    tensors: dict[str, Any] = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
+    heads = torch.nn.ParameterDict()
     for module, leaves in EXTRACTOR_HEADS.items():
         for leaf, shape in zip(leaves, head_shapes[module]):
-            tensors[f"{module}.{leaf}"] = torch.zeros(shape)
-    holder = torch.nn.Module()
-    for name, value in tensors.items():
-        if not name.startswith("encoder."):
-            holder.register_parameter(name.replace(".", "__"), torch.nn.Parameter(value))
-    redraw_weights(holder, seed + 1)
-    for name in list(tensors):
-        if not name.startswith("encoder."):
-            tensors[name] = getattr(holder, name.replace(".", "__")).data
+            heads[f"{module}.{leaf}".replace(".", "__")] = torch.nn.Parameter(torch.zeros(shape))
+    redraw_weights(heads, seed, salt="extractor-heads")
+    tensors: dict[str, Any] = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
+    tensors.update({k.replace("__", "."): v.data for k, v in heads.items()})
     target = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
-    tensors = {k: v.detach().to(target).contiguous() if v.is_floating_point() else v.contiguous()
-               for k, v in tensors.items()}
+    tensors = {k: (v.detach().to(target) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     enc_dict = enc_config.to_dict()
     for key in ("transformers_version", "_name_or_path", "architectures"):
         enc_dict.pop(key, None)
     _write_json(out / "config.json", {
-        "model_type": "extractor", "model_name": "tiny-bert", "encoder_config": enc_dict,
+        "model_type": "extractor", "model_name": f"tiny-{encoder_kind}", "encoder_config": enc_dict,
         "max_width": max_width, "counting_layer": "count_lstm", "max_count": max_count,
         "hidden_size": h, "token_pooling": "first",
     })
     train_tokenizer(out, "olmoe", VOCAB, enc_fields["max_position_embeddings"])
-    num = sum(p.numel() for p in encoder.parameters()) + sum(p.numel() for p in holder.parameters())
+    num = sum(p.numel() for p in encoder.parameters()) + sum(p.numel() for p in heads.parameters())
     return TinyModel(out, "extractor", "extractor", int(num), _stored_elements(out))
 
 
