@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).resolve().parent
 nox.options.sessions = ["lint", "tests"]

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from colibri import plugins
 from colibri.cli import app
 from colibri.testing.tiny import KINDS, tiny_model
+from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from colibri import hookimpl, plugins
 from colibri.records import Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, TensorLayout
 

@@ -85,6 +85,32 @@ def test_build_runs_and_is_cached(tree):
     assert compiles(tree["log"]) == 2
 
 
+def test_orphaned_temporaries_are_cleaned_by_the_next_build(tree):
+    cc = compiler.find_compiler()
+    final = builder.binary_path(tree["source"], cc)
+    final.parent.mkdir(parents=True)
+    orphan = final.parent / ".colibri-testfam-abc123.tmp"
+    orphan.write_bytes(b"half a binary")
+    builder.build_family("buildfam")
+    assert not orphan.exists() and final.is_file()
+
+
+def test_coli_build_command(tree):
+    from typer.testing import CliRunner
+
+    from colibri.cli import app
+
+    res = CliRunner().invoke(app, ["build", "buildfam"])
+    assert res.exit_code == 0, res.output
+    assert "buildfam" in res.stdout and "colibri-testfam" in res.stdout
+    res = CliRunner().invoke(app, ["build", "buildfam", "--json"])
+    path = __import__("json").loads(res.stdout)["buildfam"]
+    assert subprocess.run([path], capture_output=True, text=True).stdout == "42 4.0\n"
+    assert compiles(tree["log"]) == 1                        # the second command reused the cached binary
+    res = CliRunner().invoke(app, ["build", "nosuchfamily"])
+    assert res.exit_code == 1 and "nosuchfamily" in res.stderr and res.stderr.count("\n") == 1
+
+
 def test_cache_key_covers_sources_headers_flags_and_compiler(tree, monkeypatch):
     cc = compiler.find_compiler()
     src = tree["source"]

@@ -6,13 +6,12 @@ import io
 import json
 import math
 
-from safetensors import safe_open
-from typer.testing import CliRunner
-
 from colibri import __version__, hookimpl, plugins
 from colibri.cli import app
 from colibri.console import print_error
 from colibri.records import Claim, FamilyDescriptor
+from safetensors import safe_open
+from typer.testing import CliRunner
 
 runner = CliRunner()
 

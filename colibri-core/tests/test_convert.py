@@ -654,3 +654,53 @@ def test_kill_9_at_random_points_then_rerun_is_byte_identical(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert tree_digest(out) == want
+
+
+# --------------------------------------------------------------------------------------------- quality tooling
+class _FakeEngine:
+    """Speaks the protocol's logits/forced events from a fixed logits table (a stand-in for a built engine)."""
+
+    def __init__(self, table: np.ndarray, skip_pos: int | None = None):
+        self.table, self.skip_pos, self.calls = table, skip_pos, []
+
+    def submit(self, prompt, *, slot=0, logits=False, forced=None, max_tokens=1, temperature=0.0):
+        self.calls.append((list(prompt), list(forced or []), logits, max_tokens))
+        n = len(prompt) + len(forced or []) - 1
+        events = [{"ev": "logits", "id": 1, "pos": p, "values": list(self.table[p])} for p in range(n)
+                  if p != self.skip_pos]
+        events.append({"ev": "done", "id": 1, "reason": "length"})
+
+        class _Req:
+            def events(self_inner):
+                return iter(events)
+
+        return _Req()
+
+
+def test_quality_metrics_identical_and_perturbed():
+    from colibri.convert.quality import compare, forced_logits, measure
+
+    rng = np.random.default_rng(5)
+    ref = rng.standard_normal((7, 11)) * 3
+    ids = [int(i) for i in rng.integers(0, 11, 8)]
+    same = compare(ref, ref.copy(), ids[1:])
+    assert same.mean_kl == pytest.approx(0.0, abs=1e-12) and same.top1_agreement == 1.0
+    assert same.reference_ppl == pytest.approx(same.candidate_ppl)
+    noisy = compare(ref, ref + rng.standard_normal(ref.shape), ids[1:])
+    assert noisy.mean_kl > 0.01 and noisy.max_kl >= noisy.mean_kl
+
+    engine = _FakeEngine(ref)
+    got = forced_logits(engine, ids, prefill=3)
+    np.testing.assert_array_equal(got, ref)
+    prompt, forced, wants_logits, max_tokens = engine.calls[0]
+    assert prompt == ids[:3] and forced == ids[3:] and wants_logits and max_tokens == 5
+    report = measure(_FakeEngine(ref), _FakeEngine(ref), [ids, ids])
+    assert report.positions == 14 and report.mean_kl == pytest.approx(0.0, abs=1e-12)
+
+
+def test_quality_refuses_missing_logits():
+    from colibri.convert.quality import forced_logits
+    from colibri.errors import EngineError
+
+    with pytest.raises(EngineError, match="no logits for position 4"):
+        forced_logits(_FakeEngine(np.zeros((5, 3)), skip_pos=4), [0, 1, 2, 0, 1, 2], prefill=2)

@@ -58,7 +58,7 @@ def _write_streamed_bf16(path: Path, shapes: list[tuple[str, tuple[int, ...]]], 
     pool = f32_to_bf16_bits(rng.standard_normal(16 << 20, dtype=np.float32))
     with open(path, "wb") as fh:
         fh.write(len(raw).to_bytes(8, "little") + raw)
-        for name, shape in shapes:
+        for _name, shape in shapes:
             if len(shape) == 1:
                 fh.write(f32_to_bf16_bits(1 + 0.1 * rng.standard_normal(shape[0], dtype=np.float32)).tobytes())
                 continue

@@ -6,10 +6,9 @@ import builtins
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from colibri.cli import app
 from colibri.doctor import FAIL, PASS, WARN, diagnose
+from typer.testing import CliRunner
 
 runner = CliRunner()
 

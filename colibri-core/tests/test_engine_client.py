@@ -158,3 +158,11 @@ def test_close_is_idempotent_and_pending_requests_end():
     assert not eng.alive
     with pytest.raises(EngineError):
         eng.generate([1], max_tokens=1)
+
+
+def test_finished_requests_are_retired_even_if_never_read():
+    with Engine(fake_argv()) as eng:
+        abandoned = [eng.submit([i, 1], max_tokens=2) for i in range(5)]
+        eng.generate([9], max_tokens=1)                 # served after the others: they are all done by now
+        assert eng._pending == {}
+        assert abandoned[3].wait(timeout=5).tokens == expected_tokens([3, 1], 2)   # still readable afterwards

@@ -7,10 +7,9 @@ import struct
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
 from colibri.checkpoint import TensorIndex, default_shard_set, read_header, read_index
 from colibri.errors import CheckpointError
+from safetensors.numpy import save_file
 
 
 @pytest.fixture

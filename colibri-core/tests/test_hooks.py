@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from colibri import hookimpl, plugins
 from colibri.checkpoint import TensorIndex
 from colibri.doctor import family_source

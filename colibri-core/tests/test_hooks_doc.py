@@ -28,7 +28,7 @@ def hooks() -> dict[str, tuple[str, bool]]:
 
 def doc_sections() -> dict[str, str]:
     text = DOC.read_text(encoding="utf-8")
-    parts = re.split(r"^### `([a-z_]+)`\s*$", text, flags=re.M)
+    parts = re.split(r"^### `([a-z_]+)`\s*$", text, flags=re.MULTILINE)
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 

@@ -6,13 +6,12 @@ import json
 from dataclasses import replace
 
 import pytest
-from typer.testing import CliRunner
-
 from colibri import hookimpl, planner, plugins, sysinfo
 from colibri.cli import app
 from colibri.inventory import load_facts
 from colibri.model import resolve_model
 from colibri.records import PlanRequest, ResourcePlan
+from typer.testing import CliRunner
 
 runner = CliRunner()
 MIB = 1024 * 1024
@@ -171,3 +170,20 @@ def test_plan_text_output(olmoe_family, tiny_olmoe):
     for label in ("RAM budget", "dense weights", "KV cache", "reserve", "expert cache", "cold read/token",
                   "disk-bound speed", "minimum RAM"):
         assert label in result.stdout
+
+
+def test_plan_default_ctx_without_limits_or_max_context(olmoe_family, family_class, tiny_olmoe):
+    class Unbounded(family_class):
+        @hookimpl
+        def model_geometry(self, model):
+            return replace(super().model_geometry(model), max_context=0)
+
+        @hookimpl
+        def limits(self, model):
+            return None
+
+    plugins.reset()
+    plugins.register(Unbounded(), "testolmoe")
+    result, data = plan_json("--model", str(tiny_olmoe.path), "--ram", "1", "--disk-bw", "1")
+    assert result.exit_code == 0, result.output
+    assert data["ctx"] == 4096 and data["kv_slots"] == 1

@@ -220,3 +220,24 @@ def test_hook_load_tokenizer_default_and_family_override(fake, trained):
     res = invoke("run", "hey", "--model", fake, "--json", "--max-tokens", 1)
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["prompt_ids"] == default.encode("[[hey]]", add_special_tokens=False)
+
+
+def test_ctrl_c_stops_generation_prints_stats_and_exits_130(fake, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAKE_TOKEN_DELAY": "0.05"}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fakefamily.py")), "run", "tell a story",
+                             "--model", str(fake), "--max-tokens", "200", "--temp", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    assert proc.stdout.read(1)   # text is streaming
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    line = err.strip().splitlines()[-1]
+    assert "cancelled" in line
+    generated = int(__import__("re").search(r"decode (\d+) tok", line).group(1))
+    assert 0 < generated < 200

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import json
 
 import anthropic
@@ -9,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from serve_harness import build_tokenizer_dir, reference_text, start_server
+sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from serve_harness import build_tokenizer_dir, reference_text, start_server  # noqa: E402
 
 
 
@@ -125,7 +129,8 @@ def test_anthropic_stream_events_and_text(server, claude):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.usage.output_tokens == whole.usage.output_tokens
-    with httpx.stream("POST", server.base + "/v1/messages", json={**{k: v for k, v in kwargs.items() if k != "extra_body"}, **GREEDY, "stream": True}, timeout=30) as r:
+    raw_body = {**{k: v for k, v in kwargs.items() if k != "extra_body"}, **GREEDY, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/messages", json=raw_body, timeout=30) as r:
         assert r.status_code == 200
         names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
     assert names[:3] == ["message_start", "content_block_start", "ping"]

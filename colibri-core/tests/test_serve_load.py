@@ -3,6 +3,9 @@ slow prefills, loading. Every loop is bounded; all traffic goes to 127.0.0.1."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import concurrent.futures
 import os
 import signal
@@ -16,7 +19,9 @@ import pytest
 
 from colibri.engine import Engine
 from colibri.errors import EngineError
-from serve_harness import build_tokenizer_dir, reference_text, start_server
+
+sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from serve_harness import build_tokenizer_dir, reference_text, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +127,7 @@ def test_engine_killed_mid_stream(model_dir):
         anthropic_stream = claude.messages.create(model="m", max_tokens=100, messages=messages, stream=True)
         received = 0
         with pytest.raises(openai.APIError) as err:
-            for chunk in stream:
+            for _chunk in stream:
                 received += 1
                 if received == 3:
                     os.kill(server.engine_pid(), signal.SIGKILL)

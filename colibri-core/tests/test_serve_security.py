@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import json
 import socket
 
@@ -11,7 +14,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from serve_harness import build_tokenizer_dir, start_server
+sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
 
 KEY = "s3cret-key-for-tests"
 

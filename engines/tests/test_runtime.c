@@ -307,6 +307,26 @@ static void test_experts(void) {
         cb_expert_view v;
         CHECK(cb_experts_get(&L, NEXP, &v, err, sizeof err) != 0 && strstr(err, "out of range"), "%s", err);
         cb_experts_free(&L);
+        /* Prefetching changes no data and no counter: the same accesses with the next miss read ahead. */
+        cb_expert_counters plain = L.count;
+        cb_experts_free(&L);
+        CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+        for (int k = 0; k < 8; k++) {
+            CHECK(cb_experts_get(&L, order[k], &v, err, sizeof err) == 0, "%s", err);
+            for (int j = k + 1; j < 8; j++)
+                if (L.slot_of[order[j]] < 0) {
+                    int ok = 1;   /* only when every access before it is a hit, as the MoE block guarantees */
+                    for (int i = k + 1; i < j; i++) ok &= L.slot_of[order[i]] >= 0;
+                    if (ok) cb_experts_prefetch(&L, order[j]);
+                    break;
+                }
+            for (int m = 0; m < 3; m++)
+                for (int i = 0; i < HID * INTER; i++)
+                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "prefetched expert %d", order[k]);
+        }
+        CHECK(!memcmp(&plain, &L.count, sizeof plain), "counters with prefetch");
+        cb_experts_prefetch(&L, 1);      /* left unconsumed: free must wait for it */
+        cb_experts_free(&L);
         /* cap 0 keeps every expert once read. */
         CHECK(cb_experts_init(&L, &idx, 0, NEXP, 0, HID, INTER, names, err, sizeof err) == 0, "%s", err);
         for (int k = 0; k < 8; k++) cb_experts_get(&L, order[k], &v, err, sizeof err);
@@ -355,6 +375,7 @@ int main(void) {
     test_safetensors();
     test_experts();
     test_sampler();
+    cb_experts_io_shutdown();
     clear_tmp();
     rmdir(tmpdir);
     printf("test_runtime: %d checks, %d failed\n", checks, failures);

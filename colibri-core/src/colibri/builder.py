@@ -152,6 +152,10 @@ def build(source: EngineSource, force: bool = False) -> Path:
         # Another process may have finished the same build while we waited for the lock.
         if final.is_file() and not force:
             return final
+        # Holding the lock, no one else is compiling this engine: temporaries left here were orphaned by a
+        # build that was killed.
+        for stale in final.parent.glob(f".{source.name}-*.tmp") if final.parent.is_dir() else ():
+            stale.unlink(missing_ok=True)
         with _spinner(f"building engine {source.name} (first use, cached afterwards)"):
             _compile(source, compiler, final)
     return final

@@ -191,8 +191,6 @@ def _plain(value: Any) -> Any:
     """Template inputs as plain JSON-like data (the sandbox must never see arbitrary objects' methods)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):

@@ -159,6 +159,23 @@ def attention_layer_types(config: Mapping[str, Any], num_layers: int, default_in
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
 
 
+def block_fp8(config: Mapping[str, Any]) -> bool:
+    """True when the checkpoint uses transformers' fine-grained FP8 format (``quant_method: fp8``).
+
+    Its quantized linear weights are FP8 with a per-block inverse scale stored beside each one as
+    ``<module>.weight_scale_inv`` (see :func:`fp8_scale_name`).
+    """
+    qc = config.get("quantization_config")
+    return isinstance(qc, Mapping) and qc.get("quant_method") == "fp8"
+
+
+def fp8_scale_name(weight_name: str) -> str:
+    """``a.b.weight`` -> ``a.b.weight_scale_inv``."""
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"{weight_name!r} is not a weight tensor name")
+    return weight_name + "_scale_inv"
+
+
 def layer_range_prefixes(prefix: str, start: int, count: int) -> tuple[str, ...]:
     """``prefix{i}.`` for ``i`` in ``[start, start + count)`` (e.g. multi-token-prediction layers to skip)."""
     return tuple(f"{prefix}{i}." for i in range(start, start + max(0, count)))

@@ -8,9 +8,10 @@ the tensor at fault; the CLI exits 1 when any check failed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import plugins
 from .checkpoint import DTYPE_BYTES, ShardHeader, TensorInfo, read_header, read_index
@@ -191,8 +192,8 @@ def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
 
 
 def check_disk_space(model_dir: Path) -> Check:
-    from .sysinfo import free_disk_bytes
     from .console import human_bytes
+    from .sysinfo import free_disk_bytes
 
     free = free_disk_bytes(model_dir)
     if free < LOW_DISK_BYTES:

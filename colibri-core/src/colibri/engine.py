@@ -97,10 +97,8 @@ class Request:
             elif ev == "done":
                 self.stats = item
                 self.finished = True
-                self.engine._forget(self.id)
             elif ev == "error":
                 self.finished = True
-                self.engine._forget(self.id)
                 raise EngineRequestError(str(item.get("code", "internal")), str(item.get("message", "")))
             yield item
 
@@ -291,10 +289,6 @@ class Engine:
                 self._reader.join(timeout=SHUTDOWN_GRACE_S)
                 raise self._dead or EngineError("engine stopped reading its input", self.stderr_tail(3)) from None
 
-    def _forget(self, rid: int) -> None:
-        with self._lock:
-            self._pending.pop(rid, None)
-
     def _read_stderr(self) -> None:
         for raw in iter(self.proc.stderr.readline, b""):
             text = raw.decode("utf-8", "replace").rstrip()
@@ -324,7 +318,12 @@ class Engine:
         req = None
         if rid is not None:
             with self._lock:
-                req = self._pending.get(rid)
+                # A request's last event retires it here, not when its consumer reads it: a request nobody
+                # iterates to the end (a dropped HTTP client) must not stay pending forever.
+                if event.get("ev") in ("done", "error"):
+                    req = self._pending.pop(rid, None)
+                else:
+                    req = self._pending.get(rid)
         if req is not None:
             req._queue.put(event)
         elif rid is None or event.get("ev") == "stats":

@@ -233,12 +233,29 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if configs.block_fp8(cfg):
+        required, experts = _with_fp8_scales(required, experts)
     tied = bool(cfg.get("tie_word_embeddings", False))
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
         experts=tuple(experts), required=tuple(required),
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
+
+
+def _fp8_quantized(name: str) -> bool:
+    # DeepSeek's FP8 release quantizes every attention / MLP / expert projection and the indexer's wq_b and wk;
+    # the router, the indexer's weights_proj, norms, embeddings and the LM head stay in bf16 / f32.
+    if name.endswith("indexer.weights_proj.weight"):
+        return False
+    return name.endswith("_proj.weight") or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight"))
+
+
+def _with_fp8_scales(required: list[str], experts: list[ExpertTensors]) -> tuple[list[str], list[ExpertTensors]]:
+    required = required + [configs.fp8_scale_name(n) for n in required if _fp8_quantized(n)]
+    experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(configs.fp8_scale_name(t) for t in x.tensors))
+               for x in experts]
+    return required, experts
 
 
 def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:

@@ -164,6 +164,12 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             experts.append(ExpertTensors(i, e, names))
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if configs.block_fp8(r["cfg"]):
+        # Kimi K2's FP8 release quantizes every projection (attention, MLP, experts); routers, norms, embeddings
+        # and the LM head stay bf16.
+        required += [configs.fp8_scale_name(n) for n in required if n.endswith("_proj.weight")]
+        experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(configs.fp8_scale_name(t) for t in x.tensors))
+                   for x in experts]
     tied = bool(r["cfg"].get("tie_word_embeddings", False))
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),

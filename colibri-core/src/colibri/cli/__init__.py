@@ -1,8 +1,9 @@
 """The ``coli`` command line.
 
 Each command lives in a small module that registers itself on :data:`app` when imported; adding a command is
-one import line below.
+one import line below. The order of the imports is the order of ``coli --help``.
 """
+# ruff: noqa: I001  (the import order is the help order)
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from ._app import app, main
 
 from . import families  # noqa: E402,F401  (coli families)
 from . import inspect  # noqa: E402,F401  (coli info, plan, doctor)
-from . import convert  # noqa: E402,F401  (coli convert)
-from . import serve  # noqa: E402,F401  (coli serve)
-from . import build  # noqa: E402,F401  (coli build)
+from . import demo  # noqa: E402,F401  (coli demo)
 from . import run  # noqa: E402,F401  (coli run)
 from . import chat  # noqa: E402,F401  (coli chat)
-from . import demo  # noqa: E402,F401  (coli demo)
+from . import serve  # noqa: E402,F401  (coli serve)
+from . import build  # noqa: E402,F401  (coli build)
+from . import convert  # noqa: E402,F401  (coli convert)
 
 __all__ = ["app", "main"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from typer.core import TyperGroup
@@ -71,7 +71,7 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+    version: bool | None = typer.Option(None, "--version", callback=_print_version, is_eager=True,
                                            help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help=f"Show tracebacks for errors (also {DEBUG_ENV}=1)."),
 ) -> None:

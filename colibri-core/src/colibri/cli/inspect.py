@@ -5,13 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from .. import sysinfo
-from ..console import (STATUS_STYLES, emit_json, human_bytes, human_count, print_heading, print_pairs, print_table,
-                       stdout)
+from ..console import (
+    STATUS_STYLES,
+    emit_json,
+    human_bytes,
+    human_count,
+    print_heading,
+    print_pairs,
+    print_table,
+    stdout,
+)
 from ..doctor import DoctorFailed, diagnose, failures
 from ..errors import InsufficientMemoryError, UsageError
 from ..inventory import ModelFacts, family_answer, load_facts, take_inventory
@@ -71,7 +79,7 @@ def info_data(facts: ModelFacts) -> dict[str, Any]:
 
 
 @app.command("info")
-def info_command(model: Optional[str] = ModelOption, family: Optional[str] = FamilyOption,
+def info_command(model: str | None = ModelOption, family: str | None = FamilyOption,
                  as_json: bool = JsonOption) -> None:
     """Family, geometry, parameter counts and bytes on disk of a checkpoint."""
     facts = load_facts(resolve_model(model, family))
@@ -117,7 +125,7 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
     sources: dict[str, str] = {}
     g, limits = facts.geometry, facts.limits
     if ctx is None:
-        ctx = min(DEFAULT_CTX, *(v for v in (g.max_context, limits.max_context if limits else 0) if v))
+        ctx = min([DEFAULT_CTX] + [v for v in (g.max_context, limits.max_context if limits else 0) if v])
     if ctx < 1:
         raise UsageError(f"--ctx {ctx}: must be at least 1", "pass --ctx N with N >= 1")
     if kv_slots < 1:
@@ -175,14 +183,14 @@ def not_fitting_error(plan: ResourcePlan) -> InsufficientMemoryError:
 
 @app.command("plan")
 def plan_command(
-    model: Optional[str] = ModelOption,
-    family: Optional[str] = FamilyOption,
-    ram: Optional[float] = typer.Option(None, "--ram", metavar="GB",
+    model: str | None = ModelOption,
+    family: str | None = FamilyOption,
+    ram: float | None = typer.Option(None, "--ram", metavar="GB",
                                         help="RAM budget in GiB. Default: available RAM within cgroup limits."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", metavar="N", help="Context tokens per slot (default 4096 "
+    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help="Context tokens per slot (default 4096 "
                                       "or the model's maximum, if smaller)."),
     kv_slots: int = typer.Option(1, "--kv-slots", metavar="N", help="Concurrent sequences (KV slots)."),
-    disk_bw: Optional[float] = typer.Option(None, "--disk-bw", metavar="GB/s",
+    disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s",
                                             help="Disk read bandwidth in GB/s. Default: measured on the "
                                                  "largest shard."),
     as_json: bool = JsonOption,
@@ -233,8 +241,8 @@ def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sou
 
 @app.command("doctor")
 def doctor_command(
-    model: Optional[str] = ModelOption,
-    family: Optional[str] = FamilyOption,
+    model: str | None = ModelOption,
+    family: str | None = FamilyOption,
     deep: bool = typer.Option(False, "--deep", help="Also check every tensor's dtype, size, offsets, overlaps "
                                                     "and the roles the family needs (headers only)."),
     as_json: bool = JsonOption,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from ..model import MODEL_ENV
@@ -16,5 +14,3 @@ FamilyOption = typer.Option(
     None, "--family", metavar="NAME", help="Family to use when several installed families claim the model.",
 )
 JsonOption = typer.Option(False, "--json", help="Print machine-readable JSON instead of text.")
-
-ModelArg = Optional[str]

@@ -96,15 +96,18 @@ def serve_command(
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
                                       "default: from the RAM plan)."),
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
-    cors_origin: list[str] | None = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Allow browser requests from "  # noqa: B008
-                                                    "this origin (repeatable; CORS is off without it)."),
+    cors_origin: list[str] | None = typer.Option(  # noqa: B008
+        None, "--cors-origin", metavar="ORIGIN",
+        help="Allow browser requests from this origin (repeatable; CORS is off without it)."),
     max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "
                                  "e.g. 1MiB); larger ones get 413."),
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
+    from ..inventory import family_answer
     from ..launch import prepare, start
     from ..model import resolve_model
+    from ..prompt import checkpoint_sampling
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
 
@@ -125,7 +128,8 @@ def serve_command(
         raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
 
     resolved = resolve_model(model, family)
-    codec = TokenizerCodec.from_model_dir(resolved.path, resolved.config)
+    # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
+    codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads)
     sock = bind_socket(host, port)
 
@@ -141,7 +145,8 @@ def serve_command(
         fatal.append(detail)
         server.should_exit = True
 
-    application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal)
+    application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal,
+                             default_sampling=checkpoint_sampling(resolved.path))
     server = uvicorn.Server(uvicorn.Config(application, log_level=level, timeout_graceful_shutdown=5,
                                            access_log=level == "debug"))
     logging.getLogger("colibri.server").setLevel(level.upper())

@@ -224,12 +224,13 @@ int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router
     m->chosen = malloc(B * (size_t)top_k * sizeof(int));
     m->weight = malloc(B * (size_t)top_k * sizeof(float));
     m->rows = malloc(B * sizeof(int));
+    m->n_rows = malloc((size_t)n_experts * sizeof(int));
     m->weight_of_row = malloc(B * sizeof(float));
     m->xs = malloc(B * (size_t)hidden * sizeof(float));
     m->gate = malloc(B * (size_t)inter * sizeof(float));
     m->up = malloc(B * (size_t)inter * sizeof(float));
     m->down = malloc(B * (size_t)hidden * sizeof(float));
-    if (!m->logits || !m->chosen || !m->weight || !m->rows || !m->weight_of_row || !m->xs || !m->gate ||
+    if (!m->logits || !m->chosen || !m->weight || !m->rows || !m->n_rows || !m->weight_of_row || !m->xs || !m->gate ||
         !m->up || !m->down) {
         snprintf(err, errlen, "out of memory for the MoE scratch of layer %d", layer);
         cb_moe_free(m);
@@ -245,6 +246,7 @@ void cb_moe_free(cb_moe *m) {
     free(m->chosen);
     free(m->weight);
     free(m->rows);
+    free(m->n_rows);
     free(m->weight_of_row);
     free(m->xs);
     free(m->gate);
@@ -284,7 +286,10 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
         }
     }
     memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
+    memset(m->n_rows, 0, (size_t)E * sizeof(int));
+    for (size_t j = 0; j < (size_t)n * (size_t)K; j++) m->n_rows[m->chosen[j]]++;
     for (int e = 0; e < E; e++) {
+        if (!m->n_rows[e]) continue;
         int rows = 0;
         for (int i = 0; i < n; i++)
             for (int j = 0; j < K; j++)
@@ -293,9 +298,18 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
                     m->weight_of_row[rows] = m->weight[(size_t)i * (size_t)K + (size_t)j];
                     rows++;
                 }
-        if (!rows) continue;
         cb_expert_view ex;
-        if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
+        if (cb_experts_get(&m->store, e, &ex, err, errlen)) {
+            cb_experts_prefetch_cancel(&m->store);
+            return -1;
+        }
+        /* While this expert computes, read the next one this call will miss. Every expert between the two is
+         * resident, so nothing can evict or need the staging buffer before that expert is asked for. */
+        for (int next = e + 1; next < E; next++)
+            if (m->n_rows[next] && m->store.slot_of[next] < 0) {
+                cb_experts_prefetch(&m->store, next);
+                break;
+            }
         for (int r = 0; r < rows; r++)
             memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
         if (rows == 1) {

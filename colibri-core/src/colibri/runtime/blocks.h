@@ -83,6 +83,7 @@ typedef struct {
     int *chosen;               /* max_batch x top_k */
     float *weight;             /* max_batch x top_k */
     int *rows;                 /* rows that chose the current expert */
+    int *n_rows;               /* per expert: how many rows chose it */
     float *weight_of_row;
     float *xs, *gate, *up, *down;
 } cb_moe;

@@ -693,6 +693,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
 out_threads:
     free_engine(&E);
     E.model = NULL;
+    cb_experts_io_shutdown();
     cb_threads_shutdown();
 out:
     free_hparams(&hp);

@@ -4,6 +4,8 @@
  * recently used expert on a miss. A miss costs ONE pread when the expert's gate, up and down matrices are
  * adjacent in the same shard (the layout safetensors gives per-expert tensors), else one pread per matrix.
  * Slot buffers are allocated on first use, so a generous cap costs nothing until the experts are touched.
+ * Every buffer has the size of the largest expert of any layer, so the prefetcher's one staging buffer can be
+ * swapped with any slot's instead of copied.
  */
 #ifndef COLIBRI_EXPERTS_H
 #define COLIBRI_EXPERTS_H
@@ -45,6 +47,7 @@ typedef struct {
     void **buf;                /* slot -> buffer, NULL until first used */
     uint64_t tick;
     cb_expert_counters count;
+    int staged;                /* expert being prefetched for this layer, -1 when none */
 } cb_expert_layer;
 
 /* Locate every expert of one layer. names[m] is a printf format taking (layer, expert) for matrix m in
@@ -56,6 +59,19 @@ void cb_experts_free(cb_expert_layer *L);
 /* Make expert e resident (reading it on a miss, evicting the LRU slot) and return its matrices. The view
  * stays valid until the next cb_experts_get on this layer. */
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
+
+/* Start reading expert e into the layer's staging buffer on the I/O thread, so the read overlaps compute. A
+ * no-op when e is resident, when another prefetch is in flight, or when COLIBRI_PREFETCH=0. The next
+ * cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
+ * Only prefetch an expert the caller will get before any other miss on this layer. */
+void cb_experts_prefetch(cb_expert_layer *L, int e);
+/* Wait for and discard an unconsumed prefetch of this layer (error paths; cb_experts_free does it too). */
+void cb_experts_prefetch_cancel(cb_expert_layer *L);
+/* Stop the I/O thread (at exit; it restarts on the next prefetch). */
+void cb_experts_io_shutdown(void);
+
+/* Bytes of the one staging buffer prefetching uses (0 when COLIBRI_PREFETCH=0); valid after every init. */
+size_t cb_experts_staging_bytes(void);
 
 /* Bytes of the cache at full occupancy. */
 size_t cb_experts_cache_bytes(const cb_expert_layer *L);

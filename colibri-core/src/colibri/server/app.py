@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -108,7 +108,7 @@ class Gate:
 async def _drain(receive, limit: int) -> None:
     """Read (and drop) a bounded part of the body first: closing on unread data makes the kernel send a reset,
     which can destroy the error response before the client reads it."""
-    budget = 64 * max(limit, 1024 * 1024)
+    budget = max(16 * 1024 * 1024, 2 * limit)
     while budget > 0:
         message = await receive()
         if message["type"] != "http.request":
@@ -119,13 +119,14 @@ async def _drain(receive, limit: int) -> None:
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], codec: Codec,
-               on_fatal: Callable[[str], None] | None = None, tools_supported: bool = False) -> Starlette:
+               on_fatal: Callable[[str], None] | None = None, tools_supported: bool = False,
+               default_sampling: Mapping[str, float] | None = None) -> Starlette:
     """Build the app; the engine starts loading when the app starts (``/health`` is 503 until it is ready)."""
     metrics = Metrics()
     host = EngineHost(engine_factory, on_fatal=on_fatal)
     scheduler = SlotScheduler(config.kv_slots, config.max_queue, config.queue_timeout)
     services = Services(host=host, scheduler=scheduler, codec=codec, metrics=metrics, ctx=config.ctx,
-                        queue_timeout=config.queue_timeout)
+                        queue_timeout=config.queue_timeout, default_sampling=dict(default_sampling or {}))
 
     async def health(request: Request) -> JSONResponse:
         body: dict[str, Any] = {"status": "ok" if host.ready else host.state, "model": config.model_id}

@@ -36,4 +36,5 @@ class TokenizerCodec:
         return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        # as coli run streams: special tokens (end-of-turn markers and the like) are not text
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

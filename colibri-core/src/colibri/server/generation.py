@@ -19,7 +19,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,6 +93,7 @@ class Services:
     metrics: Metrics
     ctx: int
     queue_timeout: float
+    default_sampling: Mapping[str, float] = field(default_factory=dict)   # the checkpoint's generation_config
 
 
 def conversation_key(spec: GenerationSpec) -> str | None:
@@ -167,16 +168,14 @@ class GenerationRun:
         self.max_tokens = room if spec.max_tokens is None else min(spec.max_tokens, room)
 
     async def start(self) -> None:
-        self.prepare()
+        await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
         self._lease = await self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot)
         try:
             self._engine = await self.s.host.engine(self.s.queue_timeout)
-            seed = self.spec.seed if self.spec.seed is not None else random.getrandbits(63)
             try:
                 self._request = self._engine.submit(
-                    self.prompt_ids, slot=self._lease.slot, max_tokens=self.max_tokens,
-                    temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
-                    seed=seed & (2**63 - 1), stop=list(self.s.codec.stop_ids))
+                    self.prompt_ids, slot=self._lease.slot, max_tokens=self.max_tokens, **self.sampling(),
+                    stop=list(self.s.codec.stop_ids))
             except EngineError as exc:
                 self.s.host.report_death(self._engine, exc)
                 raise APIError(503, f"engine unavailable: {exc.one_line()}", code="engine_unavailable",
@@ -197,6 +196,15 @@ class GenerationRun:
             return
         self._finished = True
         raise self._refusal(first)
+
+    def sampling(self) -> dict[str, Any]:
+        """The request's sampling, with what it leaves out taken from the checkpoint (as ``coli run`` does)."""
+        spec, base = self.spec, self.s.default_sampling
+        temperature = spec.temperature if spec.temperature is not None else float(base.get("temperature", 1.0))
+        top_p = spec.top_p if spec.top_p is not None else float(base.get("top_p", 1.0))
+        top_k = spec.top_k if spec.top_k is not None else int(base.get("top_k", 0))
+        seed = spec.seed if spec.seed is not None else random.getrandbits(63)
+        return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed & (2**63 - 1)}
 
     def _pump(self, loop: asyncio.AbstractEventLoop, request: Any, lease: Lease) -> None:
         """Thread: move the engine's events onto the loop; release the slot once the engine is done with it."""

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError, bad_request
+from .errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -29,9 +29,9 @@ class GenerationSpec:
     prompt_text: str | None = None                 # /v1/completions with a string prompt
     prompt_ids: list[int] | None = None            # /v1/completions with token ids
     max_tokens: int | None = None                  # None = up to the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None               # None: the checkpoint's default (as coli run uses)
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -124,7 +124,7 @@ class _Fields:
                               code="invalid_value")
         return value
 
-    def number(self, name: str, default: float, low: float, high: float) -> float:
+    def number(self, name: str, default: float | None, low: float, high: float) -> float | None:
         value = self.data.get(name)
         if value is None:
             return default
@@ -211,12 +211,12 @@ def _text_content(value: Any, where: str, part_types: tuple[str, ...]) -> str:
 
 
 def _common_sampling(fields: _Fields, spec: GenerationSpec, kv_slots: int) -> None:
-    spec.temperature = fields.number("temperature", 1.0, 0.0, 2.0)
-    spec.top_p = fields.number("top_p", 1.0, 0.0, 1.0)
+    spec.temperature = fields.number("temperature", None, 0.0, 2.0)
+    spec.top_p = fields.number("top_p", None, 0.0, 1.0)
     if spec.top_p == 0.0:
         raise bad_request("'top_p' is 0; it must be greater than 0 (use temperature 0 for greedy)",
                           param="top_p", code="invalid_value")
-    spec.top_k = fields.integer("top_k", low=0) or 0
+    spec.top_k = fields.integer("top_k", low=0)
     spec.seed = fields.integer("seed", low=-(2**63), high=2**64 - 1)
     spec.stream = fields.boolean("stream")
     slot = fields.integer("cache_slot", low=0, high=kv_slots - 1)
@@ -396,8 +396,3 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
         raise bad_request("'thinking' is not supported by this server; remove it", param="thinking")
     return spec
 
-
-def require_object(value: Any, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise APIError(400, f"'{name}' must be an object", param=name)
-    return value

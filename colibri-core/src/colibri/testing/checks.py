@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ..checkpoint import TensorIndex, default_shard_set
 from ..records import ResolvedModel, ShardSet, TensorLayout
@@ -56,8 +56,7 @@ def check_layout_against_checkpoint(layout: TensorLayout, shard_sets: tuple[Shar
     return index
 
 
-def routers_and_experts_consistent(layout: TensorLayout, moe_layers: tuple[int, ...], num_experts: int,
-                                   check: Callable[[bool, str], None] | None = None) -> None:
+def routers_and_experts_consistent(layout: TensorLayout, moe_layers: tuple[int, ...], num_experts: int) -> None:
     """Assert one router per MoE layer and ``num_experts`` experts (each gate, up, down) per MoE layer."""
     router_layers = tuple(layer for layer, _ in layout.routers)
     assert router_layers == tuple(moe_layers), f"routers on layers {router_layers}, MoE layers {moe_layers}"

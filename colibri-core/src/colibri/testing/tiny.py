@@ -29,10 +29,12 @@ builds each variant once. ``KINDS`` lists every kind:
 * ``diffusers``: a Stable-Diffusion-style pipeline directory (``model_index.json``; ``unet/``, ``vae/``,
   ``text_encoder/`` safetensors; ``scheduler/``, ``tokenizer/``);
 * ``extractor``: a GLiNER2-style decision checkpoint (``config.json`` with ``model_type: extractor`` and an
-  ``encoder_config``; ``model.safetensors`` holding ``encoder.*`` plus span/classifier head tensors).
+  ``encoder_config``; ``model.safetensors`` holding ``encoder.*`` plus span/classifier head tensors);
+  ``encoder="bert"`` (default) or ``"deberta-v2"``.
 
-Options: ``seed`` (weights and tokenizer-independent), ``dtype`` (``"float32"`` default, ``"bfloat16"``;
-router/bias tensors transformers keeps in f32 stay f32), and geometry overrides merged into the config.
+Options: ``seed`` (weights only; the tokenizer is fixed), ``dtype`` (``"float32"`` default, or ``"bfloat16"``:
+router/bias tensors transformers keeps in f32 stay f32), and geometry overrides merged into the config. Text kinds
+also take ``chat_template_in="tokenizer_config"`` (default) or ``"jinja"`` (a separate ``chat_template.jinja``).
 Generic override names are translated to the family's own field: ``num_experts``, ``top_k``, ``num_kv_heads``,
 ``num_layers``, ``n_group``; any other key is passed to the config as is (e.g. ``norm_topk_prob``,
 ``tie_word_embeddings``, ``first_k_dense_replace``, ``index_topk``). Per-layer lists (``layer_types``,

@@ -175,7 +175,7 @@ static int olmoe_load(void **out, const cb_load_args *a, cb_model_info *info, ch
     info->n_layers = m->n_layers;
     info->kv_dim = (int)kw;
     info->dense_bytes = dense;
-    info->expert_cache_bytes = cache;
+    info->expert_cache_bytes = cache + cb_experts_staging_bytes();
     info->n_expert_layers = m->n_layers;
     info->expert_layers = m->expert_layers;
     *out = m;

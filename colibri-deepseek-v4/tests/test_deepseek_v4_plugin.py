@@ -166,3 +166,17 @@ def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, FAMILY, DEEPSEEK_V3))
     assert lim.max_context == 163840 and not lim.has_engine
     assert lim.reason_no_engine == "no engine for deepseek-v4 yet"
+
+
+def test_fp8_release_names_its_block_scales(tmp_path):
+    layout = plugin.tensor_layout(model=resolved(tmp_path, FAMILY, DEEPSEEK_V32))
+    expert = layout.experts[0]
+    assert expert.tensors[3:] == tuple(t + "_scale_inv" for t in expert.tensors[:3])
+    req = set(layout.required)
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in req
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" in req
+    assert "model.layers.0.self_attn.indexer.wk.weight_scale_inv" in req
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" not in req
+    assert not any(n.startswith("model.layers.3.mlp.gate.weight_") for n in req)     # router stays bf16
+    plain = {k: v for k, v in DEEPSEEK_V32.items() if k != "quantization_config"}
+    assert not any("scale_inv" in n for n in plugin.tensor_layout(model=resolved(tmp_path, FAMILY, plain)).required)

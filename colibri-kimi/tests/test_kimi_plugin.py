@@ -123,3 +123,11 @@ def test_kimi_linear_bad_layer_lists(tmp_path):
 def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, "kimi", KIMI_LINEAR))
     assert lim.max_context == 1048576 and not lim.has_engine and lim.reason_no_engine == "no engine for kimi yet"
+
+
+def test_kimi_k2_fp8_scales(tmp_path):
+    fp8 = {**KIMI_K2, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    layout = plugin.tensor_layout(model=resolved(tmp_path, "kimi", fp8))
+    assert len(layout.experts[0].tensors) == 6
+    assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in layout.required
+    assert not any("layernorm.weight_scale" in n for n in layout.required)

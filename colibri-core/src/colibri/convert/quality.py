@@ -1,0 +1,113 @@
+"""What a conversion costs in quality: teacher-forced logits of a container against its source.
+
+The Python half of ``coli bench quality --model DST --reference SRC``. Both models read the same token ids; the
+first ``prefill`` ids are the prompt (prefill path, matmul kernels) and the rest are fed back one by one through
+the protocol's ``forced`` field (decode path, matvec kernels), with ``logits`` on, so every position's next-token
+distribution is compared: KL(reference || candidate), top-1 agreement, and each model's perplexity on the text.
+
+Engines are duck-typed (``submit(prompt, logits=, forced=, max_tokens=, temperature=)`` returning a request whose
+``events()`` yields protocol events), so the metrics are testable without a built engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import EngineError, UsageError
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    positions: int                # next-token predictions compared
+    mean_kl: float                # nats, KL(reference || candidate), mean over positions
+    max_kl: float
+    top1_agreement: float         # fraction of positions where both argmaxes agree
+    reference_ppl: float          # perplexity of the text under each model
+    candidate_ppl: float
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.candidate_ppl / self.reference_ppl
+
+
+def forced_logits(engine: Any, ids: Sequence[int], prefill: int, slot: int = 0) -> np.ndarray:
+    """Logits predicting ``ids[1:]``: positions ``0 .. len(ids) - 2``, as a float64 [n - 1, vocab] array.
+
+    The engine prefills ``ids[:prefill]`` and is forced through the rest, emitting logits at every position.
+    """
+    ids = [int(t) for t in ids]
+    if len(ids) < 2 or not 1 <= prefill <= len(ids):
+        raise UsageError(f"quality: need at least 2 tokens and 1 <= prefill <= {len(ids)} (got {prefill})")
+    forced = ids[prefill:]
+    request = engine.submit(ids[:prefill], slot=slot, logits=True, forced=forced, max_tokens=max(1, len(forced)),
+                            temperature=0.0)
+    by_pos: dict[int, list[float]] = {}
+    for event in request.events():
+        if event.get("ev") == "logits":
+            by_pos[int(event["pos"])] = event["values"]
+    want = range(len(ids) - 1)
+    missing = [p for p in want if p not in by_pos]
+    if missing:
+        raise EngineError(f"quality: the engine sent no logits for position {missing[0]} "
+                          f"({len(missing)} of {len(ids) - 1} missing)",
+                          "the engine must emit logits for prompt and forced positions (docs/protocol.md)")
+    return np.asarray([by_pos[p] for p in want], dtype=np.float64)
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare(reference: np.ndarray, candidate: np.ndarray, targets: Sequence[int]) -> QualityReport:
+    """Metrics over aligned [positions, vocab] logits; ``targets[i]`` is the token that followed position i."""
+    if reference.shape != candidate.shape or reference.ndim != 2 or len(targets) != reference.shape[0]:
+        raise UsageError(f"quality: logits shapes {reference.shape} / {candidate.shape} and {len(targets)} targets "
+                         "do not line up (the two models must share a tokenizer and vocabulary)")
+    lp_ref, lp_cand = _log_softmax(reference), _log_softmax(candidate)
+    kl = (np.exp(lp_ref) * (lp_ref - lp_cand)).sum(axis=-1)
+    t = np.asarray(targets, dtype=np.int64)
+    rows = np.arange(len(t))
+    return QualityReport(
+        positions=len(t),
+        mean_kl=float(kl.mean()),
+        max_kl=float(kl.max()),
+        top1_agreement=float((reference.argmax(-1) == candidate.argmax(-1)).mean()),
+        reference_ppl=float(np.exp(-lp_ref[rows, t].mean())),
+        candidate_ppl=float(np.exp(-lp_cand[rows, t].mean())),
+    )
+
+
+def merge(reports: Iterable[QualityReport]) -> QualityReport:
+    """Position-weighted combination of per-text reports."""
+    reports = list(reports)
+    n = sum(r.positions for r in reports)
+    if n == 0:
+        raise UsageError("quality: no positions to compare")
+
+    def wmean(values):
+        return sum(v * r.positions for v, r in zip(values, reports)) / n
+
+    return QualityReport(
+        positions=n,
+        mean_kl=wmean(r.mean_kl for r in reports),
+        max_kl=max(r.max_kl for r in reports),
+        top1_agreement=wmean(r.top1_agreement for r in reports),
+        reference_ppl=float(np.exp(wmean(np.log(r.reference_ppl) for r in reports))),
+        candidate_ppl=float(np.exp(wmean(np.log(r.candidate_ppl) for r in reports))),
+    )
+
+
+def measure(reference_engine: Any, candidate_engine: Any, texts: Sequence[Sequence[int]],
+            prefill_fraction: float = 0.5) -> QualityReport:
+    """Teacher-force every text through both engines and merge the per-text reports."""
+    reports = []
+    for ids in texts:
+        prefill = max(1, int(len(ids) * prefill_fraction))
+        ref = forced_logits(reference_engine, ids, prefill)
+        cand = forced_logits(candidate_engine, ids, prefill)
+        reports.append(compare(ref, cand, ids[1:]))
+    return merge(reports)
