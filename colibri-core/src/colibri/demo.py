@@ -150,6 +150,10 @@ def demo_dir(spec: DemoSpec) -> Path:
     return cache_root() / "demo" / spec.name
 
 
+def is_built(spec: DemoSpec) -> bool:
+    return (demo_dir(spec) / COMPLETE_MARKER).exists()
+
+
 def ensure_checkpoint(spec: DemoSpec = DemoSpec()) -> tuple[Path, bool]:
     """The demo checkpoint, built now if missing; (path, built_now)."""
     final = demo_dir(spec)

@@ -45,7 +45,7 @@ def demo_command(
     experts from disk. The weights are random, so the text is noise: the point is the mechanics and the numbers."""
     from .. import launch, plugins
     from ..console import human_bytes
-    from ..demo import DemoSpec, budget_for_cache_fraction, ensure_checkpoint
+    from ..demo import DemoSpec, budget_for_cache_fraction, ensure_checkpoint, is_built
     from ..inventory import family_answer, load_facts
     from ..model import resolve_model
     from ..prompt import choose_sampling
@@ -59,8 +59,12 @@ def demo_command(
         raise EngineError(f"coli demo runs the OLMoE engine, and the olmoe family is not available{why}",
                           "pip install colibri-olmoe (or ./colibri-olmoe from a checkout)")
     spec = DemoSpec()
-    with _spinner(f"writing the synthetic demo checkpoint once (~{spec.total_bytes / 1e6:.0f} MB, random weights)"):
+    if is_built(spec):
         path, _ = ensure_checkpoint(spec)
+    else:
+        with _spinner(f"writing the synthetic demo checkpoint once (~{spec.total_bytes / 1e6:.0f} MB, "
+                      "random weights)"):
+            path, _ = ensure_checkpoint(spec)
     model = resolve_model(path, family="olmoe")
     facts = load_facts(model)
     ram_bytes = budget_for_cache_fraction(facts, DEMO_CTX) if ram is None else None

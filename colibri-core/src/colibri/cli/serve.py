@@ -149,7 +149,13 @@ def serve_command(
                              default_sampling=checkpoint_sampling(resolved.path))
     server = uvicorn.Server(uvicorn.Config(application, log_level=level, timeout_graceful_shutdown=5,
                                            access_log=level == "debug"))
-    logging.getLogger("colibri.server").setLevel(level.upper())
+    server_log = logging.getLogger("colibri.server")
+    if not server_log.handlers:   # uvicorn configures only its own loggers; engine deaths and restarts go here
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        server_log.addHandler(handler)
+        server_log.propagate = False
+    server_log.setLevel(level.upper())
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}) on http://{shown}:{port}/v1 — "
                f"{kv_slots} slot(s), ctx {spec.ctx}, queue {max_queue}, "

@@ -113,7 +113,7 @@ class EngineHost:
             await asyncio.sleep(WATCH_INTERVAL_S)
             engine = self._engine
             if engine is not None and self.state == "ready" and not engine.alive:
-                self.report_death(engine, None)
+                self.report_death(engine, await asyncio.to_thread(_death_reason, engine))
 
     def report_death(self, engine: EngineLike, error: BaseException | None) -> None:
         """Called (on the loop) when a request saw the engine die, or the watcher did."""
@@ -157,3 +157,13 @@ class EngineHost:
             raise APIError(503, "engine is restarting; retry shortly", code="engine_unavailable",
                            headers={"Retry-After": "2"})
         return engine
+
+
+def _death_reason(engine: EngineLike, wait_s: float = 1.0) -> BaseException | None:
+    """The engine client's own account of a death (signal, exit code, stderr tail), once its reader has it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        reason = getattr(engine, "death", None) or getattr(engine, "_dead", None)
+        if reason is not None or time.monotonic() > deadline:
+            return reason
+        time.sleep(0.02)
