@@ -38,7 +38,11 @@ def test_info_counts_every_family(kind, tiny_root):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     params = data["parameters"]
-    assert params["total"] + params["skipped"] == built.num_parameters, params
+    assert params["total"] + params["skipped"] == built.num_parameters, (
+        f"{data['family']}: info counts {params['total'] + params['skipped']} parameters, transformers "
+        f"{built.num_parameters}; stored tensors that are not parameters (buffers such as e_score_correction_bias "
+        f"or tid2eid: {built.num_stored_elements - built.num_parameters} elements here) belong in "
+        f"TensorLayout.buffers")
     assert params["total"] + params["skipped"] + params["buffers"] == built.num_stored_elements, params
     assert 0 < params["active_per_token"] <= params["total"]
     if data["geometry"]["experts"]:

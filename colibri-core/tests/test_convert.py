@@ -704,3 +704,32 @@ def test_quality_refuses_missing_logits():
 
     with pytest.raises(EngineError, match="no logits for position 4"):
         forced_logits(_FakeEngine(np.zeros((5, 3)), skip_pos=4), [0, 1, 2, 0, 1, 2], prefill=2)
+
+
+def test_resume_refuses_a_source_changed_since_the_interruption(tmp_path):
+    import shutil
+
+    from colibri.convert.run import JOB_FILE, WORK_DIR, _source_stamps, make_plan
+    from colibri.errors import UsageError
+
+    src = write_tiny(tmp_path / "src", layers=1, shards=1)
+    done = tmp_path / "done"
+    run_convert(src, done)
+    plan, index = make_plan(resolve(src), "int8", "bf16")
+
+    def interrupted_copy(name: str) -> Path:
+        """A finished output with its work directory back, as a run killed before cleaning up leaves it."""
+        out = shutil.copytree(done, tmp_path / name)
+        (out / WORK_DIR).mkdir()
+        job = {"job": plan.job, "source_files": _source_stamps(index)}
+        (out / WORK_DIR / JOB_FILE).write_text(json.dumps(job))
+        return out
+
+    resumed = interrupted_copy("a")
+    run_convert(src, resumed)                                  # same source: the resume completes
+    assert tree_digest(resumed) == tree_digest(done)
+    stale = interrupted_copy("b")
+    shard = src / "model-00001-of-00001.safetensors"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    with pytest.raises(UsageError, match="source shards changed since the interrupted conversion began"):
+        run_convert(src, stale)

@@ -58,10 +58,11 @@ def resolved(path: Path) -> ResolvedModel:
     return ResolvedModel(path, "olmoe", "olmoe", read_config(path))
 
 
-def start(binary: Path, model_dir: Path, *, ctx: int = 256, slots: int = 1, cap: int = 0) -> Engine:
+def start(binary: Path, model_dir: Path, *, ctx: int = 256, slots: int = 1, cap: int = 0,
+          prefetch: bool = False) -> Engine:
     argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots), "--cap", str(cap),
             "--threads", "2", *engine_hparams(resolved(model_dir))]
-    return Engine(argv)
+    return Engine(argv, env={"COLIBRI_PREFETCH": "1" if prefetch else "0"})
 
 
 def load_reference(path: Path):
@@ -116,11 +117,12 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
     one_expert = expert_bytes(built.path)
     accesses = None
     misses_by_cap = {}
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
+    for cap, prefetch in ((1, False), (2, False), (0, False), (2, True)):
+        with start(engine_binary, built.path, cap=cap, prefetch=prefetch) as engine:
             cached = n_experts if cap == 0 else cap
-            # + one staging buffer: the I/O thread reads the next missing expert while the current one computes
-            assert engine.ready["expert_cache_bytes"] == (n_layers * cached + 1) * one_expert
+            # prefetching (opt-in) adds one staging buffer and must change no token and no counter
+            staging = one_expert if prefetch else 0
+            assert engine.ready["expert_cache_bytes"] == n_layers * cached * one_expert + staging
             result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
             stats = engine.stats()
         assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
@@ -147,6 +149,8 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
         assert result.stats["expert_misses"] == sum(misses) and result.stats["expert_hits"] == sum(hits)
         if cap == 0:
             assert all(m <= n_experts for m in misses), "with every expert cached, each is read at most once"
+        if prefetch:
+            assert sum(misses) == misses_by_cap[cap]
         misses_by_cap[cap] = sum(misses)
     assert misses_by_cap[1] >= misses_by_cap[2] >= misses_by_cap[0]
     assert misses_by_cap[1] > misses_by_cap[0]

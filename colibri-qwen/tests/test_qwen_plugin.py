@@ -138,6 +138,7 @@ def test_qwen15_moe_defaults_qkv_bias_and_shared_expert(tmp_path):
     geo = plugin.model_geometry(model=model)
     assert (geo.num_experts, geo.top_k, geo.num_shared_experts, geo.max_context) == (60, 4, 1, 8192)
     assert geo.attention.endswith("qkv bias")
+    assert dict(geo.notes)["router"] == "softmax top-k"
     layout = plugin.tensor_layout(model=model)
     assert "model.layers.0.self_attn.q_proj.bias" in layout.required
     assert "model.layers.23.mlp.shared_expert_gate.weight" in layout.required
@@ -165,6 +166,7 @@ def test_qwen35_multimodal_wrapper_reads_text_config(tmp_path):
     assert layout.embeddings[0] == "model.language_model.embed_tokens.weight"
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in layout.required
     assert "model.visual." in layout.skipped_prefixes
+    assert dict(geo.notes)["router"] == "softmax top-k, renormalised"
     assert plugin.limits(model=model).max_context == 262144
 
 

@@ -38,7 +38,9 @@ def check(cond: bool, what: str) -> None:
 
 class Session:
     def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # Prefetching on: the sanitizers then also watch the I/O thread and the staging-buffer swaps.
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "COLIBRI_PREFETCH": "1"})
 
     def send(self, line: str | dict) -> None:
         self.proc.stdin.write((line if isinstance(line, str) else json.dumps(line)) + "\n")

@@ -13,14 +13,19 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
+from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    TensorLayout,
 )
 
 FAMILY = "glm"
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 MLA_TYPES = ("glm4_moe_lite", "glm_moe_dsa")
 F32 = 4
+# transformers' default count of leading dense layers when a config names neither mlp_layer_types nor
+# first_k_dense_replace (GLM-4.7-Flash's default list is one dense layer, then MoE).
+DEFAULT_FIRST_DENSE = {"glm4_moe": 1, "glm4_moe_lite": 1, "glm_moe_dsa": 3}
 
 
 @hookimpl
@@ -34,6 +39,16 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
     if model_type in MODEL_TYPES:
         return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
     return None
+
+
+def _moe_layers(model_type: str, cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
+    """MoE layers as transformers builds them: glm4_moe reads only first_k_dense_replace; the MLA types read
+    mlp_layer_types, defaulting to first_k_dense_replace leading dense layers."""
+    if model_type != "glm4_moe" and cfg.get("mlp_layer_types") is not None:
+        return configs.moe_layer_indices(cfg, n, where=where)
+    first_k = configs.optional_int(cfg, "first_k_dense_replace", default=DEFAULT_FIRST_DENSE[model_type],
+                                   where=where)
+    return tuple(range(min(first_k, n), n))
 
 
 def _read(model: ResolvedModel) -> dict[str, Any]:
@@ -50,7 +65,7 @@ def _read(model: ResolvedModel) -> dict[str, Any]:
         expert_width=configs.require_int(cfg, "moe_intermediate_size", where=where, minimum=1),
         shared=configs.optional_int(cfg, "n_shared_experts", where=where),
         nextn=configs.optional_int(cfg, "num_nextn_predict_layers", where=where),
-        moe_layers=configs.moe_layer_indices(cfg, n, where=where),
+        moe_layers=_moe_layers(model.model_type, cfg, n, where),
     )
     if r["mla"]:
         r.update(
@@ -153,5 +168,94 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+    return Limits(max_context=configs.max_context(model.config), has_engine=True)
+
+
+ENGINE_C = Path(__file__).parent / "engine" / "glm.c"
+# RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@hookimpl
+def engine_source() -> EngineSource:
+    return EngineSource(name="colibri-glm", sources=(ENGINE_C,))
+
+
+def _indexer_layers(cfg: Mapping[str, Any], n: int, where: str) -> str:
+    """One letter per layer, F (runs its own indexer) or S (reuses the previous one's), as transformers derives
+    indexer_types: explicit list, else index_topk_pattern, else the index_topk_freq / offset schedule."""
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:
+        freq = max(int(cfg.get("index_topk_freq", 1)), 1)
+        offset = int(cfg.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    letters = {"full": "F", "shared": "S"}
+    if len(types) != n or any(t not in letters for t in types):
+        raise ConfigError(f"{where}: 'indexer_types' must list 'full' or 'shared' for each of the {n} layers",
+                          "restore the checkpoint's original config.json")
+    if types[0] != "full":
+        raise ConfigError(f"{where}: 'indexer_types'[0] is 'shared' but no earlier layer runs an indexer",
+                          "the first layer must be 'full'")
+    return "".join(letters[t] for t in types)
+
+
+def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
+    """The ``--set key=value`` arguments of the GLM engine, resolved from config.json."""
+    r = _read(model)
+    cfg, n, where = r["cfg"], r["layers"], str(model.path / "config.json")
+    rope = configs.rope(cfg, default_partial=1.0 if r["mla"] else 0.5)
+    if rope.rope_type not in ENGINE_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the glm engine",
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
+    values: dict[str, Any] = dict(
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
+        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
+        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
+        n_shared_experts=r["shared"], n_group=configs.optional_int(cfg, "n_group", default=1, where=where),
+        topk_group=configs.optional_int(cfg, "topk_group", default=1, where=where),
+        norm_topk_prob=int(bool(cfg.get("norm_topk_prob", True))),
+        routed_scaling_factor=repr(float(cfg.get("routed_scaling_factor", 1.0))),
+        rms_norm_eps=repr(float(cfg.get("rms_norm_eps", 1e-5))),
+        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
+        attention_bias=int(bool(cfg.get("attention_bias", False))),
+        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
+        rope_theta=repr(rope.theta), rope_type=rope.rope_type,
+    )
+    if r["mla"]:
+        values.update(attention="dsa" if model.model_type == "glm_moe_dsa" else "mla", q_lora_rank=r["q_lora"],
+                      kv_lora_rank=r["kv_lora"], qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"],
+                      v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1))
+        if model.model_type == "glm_moe_dsa":
+            if not r["q_lora"]:
+                raise ConfigError(f"{where}: glm_moe_dsa needs 'q_lora_rank' (the indexer reads the q latent)",
+                                  "restore the checkpoint's original config.json")
+            values.update(index_n_heads=configs.optional_int(cfg, "index_n_heads", default=32, where=where),
+                          index_head_dim=configs.optional_int(cfg, "index_head_dim", default=128, where=where),
+                          index_topk=configs.optional_int(cfg, "index_topk", default=2048, where=where),
+                          indexer_layers=_indexer_layers(cfg, n, where))
+        else:
+            values["rope_interleave"] = int(bool(cfg.get("rope_interleave", True)))
+    else:
+        values.update(attention="gqa", num_key_value_heads=r["kv_heads"], head_dim=r["head_dim"],
+                      use_qk_norm=int(bool(cfg.get("use_qk_norm", False))))
+    if rope.partial_rotary_factor != 1.0:
+        values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
+    scaling = rope.scaling or {}
+    if rope.rope_type in ("linear", "llama3"):
+        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv(args=engine_hparams(model))

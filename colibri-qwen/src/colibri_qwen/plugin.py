@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
+from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    TensorLayout,
 )
 
 FAMILY = "qwen"
@@ -89,7 +91,10 @@ def model_geometry(model: ResolvedModel) -> Geometry:
         state = per_layer * (r["layers"] - len(full_layers))
         notes.append(("layers", f"{r['layers'] - len(full_layers)} Gated DeltaNet + {len(full_layers)} full attention"))
     rope = configs.rope(cfg)
-    renorm = bool(cfg.get("norm_topk_prob", model.model_type in HYBRIDS))
+    # Qwen3.5 always renormalises the top-k weights (its config has no switch); the others follow the flag, whose
+    # default is on only for Qwen3-Next.
+    always = model.model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
+    renorm = always or bool(cfg.get("norm_topk_prob", model.model_type == "qwen3_next"))
     notes += [("router", "softmax top-k" + (", renormalised" if renorm else "")),
               ("rope", f"theta {rope.theta:g}" + (f", partial {rope.partial_rotary_factor:g}"
                                                    if rope.partial_rotary_factor != 1.0 else ""))]
@@ -168,5 +173,91 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=True)
+
+
+ENGINE_C = Path(__file__).parent / "engine" / "qwen.c"
+# RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@hookimpl
+def engine_source() -> EngineSource:
+    return EngineSource(name="colibri-qwen", sources=(ENGINE_C,))
+
+
+def _rope_args(cfg: Mapping[str, Any], where: str, hybrid: bool) -> dict[str, Any]:
+    # Qwen3-Next / Qwen3.5 rotate a quarter of each head unless the config says otherwise (transformers' default).
+    rope = configs.rope(cfg, default_partial=0.25 if hybrid else 1.0)
+    if rope.rope_type not in ENGINE_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the qwen engine",
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
+    # Qwen3.5's M-RoPE sections rotate by (t, h, w) positions; for text all three equal the token position, so
+    # M-RoPE is plain RoPE over the same frequencies and mrope_section needs no engine support.
+    values: dict[str, Any] = dict(rope_theta=repr(rope.theta), rope_type=rope.rope_type)
+    if rope.partial_rotary_factor != 1.0:
+        values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
+    scaling = rope.scaling or {}
+    if rope.rope_type in ("linear", "llama3"):
+        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    return values
+
+
+def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
+    """The ``--set key=value`` arguments of the qwen engine, resolved from config.json."""
+    r = _read(model)
+    cfg, where, mt = r["cfg"], r["where"], model.model_type
+    kinds = r["attn"]
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    if sliding or cfg.get("use_sliding_window"):
+        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not supported "
+                          "by the qwen engine", "use the checkpoint's full-attention configuration")
+    unknown = sorted({k for k in kinds if k not in ("full_attention", "attention", "linear_attention")})
+    if unknown:
+        raise ConfigError(f"{where}: layer_types has {', '.join(map(repr, unknown))}",
+                          "expected full_attention or linear_attention")
+    dense_layers = [i for i in range(r["layers"]) if i not in r["moe_layers"]]
+    tied = bool(configs.first_of(cfg, "tie_word_embeddings", default=model.config.get("tie_word_embeddings", False)))
+    values: dict[str, Any] = dict(
+        hidden_size=r["hidden"], num_hidden_layers=r["layers"], num_attention_heads=r["heads"],
+        num_key_value_heads=r["kv_heads"], head_dim=r["head_dim"], vocab_size=r["vocab"], num_experts=r["experts"],
+        num_experts_per_tok=r["top_k"], moe_intermediate_size=r["expert_width"],
+        rms_norm_eps=repr(float(cfg.get("rms_norm_eps", 1e-6))), tie_word_embeddings=int(tied),
+        norm_topk_prob=int(mt in ("qwen3_5_moe", "qwen3_5_moe_text")
+                           or bool(cfg.get("norm_topk_prob", mt == "qwen3_next"))),
+        **_rope_args(cfg, where, r["hybrid"]),
+    )
+    if dense_layers:
+        values["intermediate_size"] = configs.require_int(cfg, "intermediate_size", where=where, minimum=1)
+        values["mlp_only_layers"] = ",".join(map(str, dense_layers))
+    if r["shared_width"] and mt != "qwen3_moe":
+        values["shared_expert_intermediate_size"] = r["shared_width"]
+    if mt == "qwen2_moe":
+        values["qkv_bias"] = int(bool(cfg.get("qkv_bias", True)))
+    else:
+        values["qk_norm"] = 1
+        values["attention_bias"] = int(bool(cfg.get("attention_bias", False)))
+    if r["hybrid"]:
+        values.update(
+            zero_centered_norm=1, attn_output_gate=1,
+            layer_types=",".join("linear_attention" if k == "linear_attention" else "full_attention" for k in kinds),
+            linear_projection="fused" if mt == "qwen3_next" else "split",
+            linear_num_key_heads=r["lin_k_heads"], linear_num_value_heads=r["lin_v_heads"],
+            linear_key_head_dim=r["lin_k_dim"], linear_value_head_dim=r["lin_v_dim"],
+            linear_conv_kernel_dim=r["conv_kernel"],
+        )
+    if model.model_type in WRAPPERS:
+        values["weight_prefix"] = "model.language_model."
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv(args=engine_hparams(model))

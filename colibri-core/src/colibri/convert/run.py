@@ -167,6 +167,25 @@ def _prepare_out(src: Path, out: Path, plan: JobPlan) -> str:
     raise UsageError(f"--out {out}: already holds {what}", "pick an empty or new directory, or delete it first")
 
 
+def _source_stamps(index: TensorIndex) -> dict[str, list[int]]:
+    """Size and mtime of every source shard: headers alone cannot tell that the weights were replaced."""
+    out = {}
+    for header in index.headers:
+        st = header.file.stat()
+        out[str(header.file.resolve())] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _check_source_unchanged(job_file: Path, index: TensorIndex) -> None:
+    try:
+        recorded = json.loads(job_file.read_text(encoding="utf-8")).get("source_files")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded != _source_stamps(index):
+        raise UsageError(f"--out {job_file.parent.parent}: the source shards changed since the interrupted "
+                         "conversion began", f"delete {job_file.parent.parent} and convert again")
+
+
 def _receipt_path(work: Path, shard: ShardPlan) -> Path:
     return work / f"{shard.file_name}.receipt.json"
 
@@ -271,8 +290,11 @@ def convert(model: ResolvedModel, out: Path, experts: str = "int8", dense: str =
     if state != "done":
         work.mkdir(parents=True, exist_ok=True)
         if state == "fresh":
-            job = {"job": plan.job, "source": str(model.path.resolve()), "experts": experts, "dense": dense}
+            job = {"job": plan.job, "source": str(model.path.resolve()), "experts": experts, "dense": dense,
+                   "source_files": _source_stamps(index)}
             _atomic_write(work / JOB_FILE, json.dumps(job, sort_keys=True).encode(), work)
+        else:
+            _check_source_unchanged(work / JOB_FILE, index)
         reporter.start(plan.source_bytes, len(plan.shards))
         for shard in plan.shards:
             done = _shard_is_done(out, work, shard, plan.job)

@@ -271,7 +271,7 @@ static void top_k_select(const float *probs, int n, int k, int *idx, float *val)
 }
 
 int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
-    int E = m->n_experts, K = m->top_k, H = m->hidden, I = m->inter;
+    int E = m->n_experts, K = m->top_k;
     cb_linear_apply(&m->router, m->logits, x, n);
     for (int i = 0; i < n; i++) {
         float *p = m->logits + (size_t)i * (size_t)E;
@@ -285,6 +285,11 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
             for (int j = 0; j < K; j++) w[j] /= sum;
         }
     }
+    return cb_moe_experts_forward(m, out, x, n, err, errlen);
+}
+
+int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
+    int E = m->n_experts, K = m->top_k, H = m->hidden, I = m->inter;
     memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
     memset(m->n_rows, 0, (size_t)E * sizeof(int));
     for (size_t j = 0; j < (size_t)n * (size_t)K; j++) m->n_rows[m->chosen[j]]++;

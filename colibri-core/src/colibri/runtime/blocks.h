@@ -98,5 +98,8 @@ void cb_moe_free(cb_moe *m);
  * in ascending index, each read at most once per call and applied to every row that chose it; each row's sum
  * is accumulated in ascending expert order, which is what makes batching exact. */
 int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
+/* The expert half of cb_moe_forward, for families that route differently (router.h): runs the experts already
+ * written to m->chosen / m->weight (n rows x top_k) with the same visiting and summation order. */
+int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
 
 #endif

@@ -372,6 +372,9 @@ static void do_submit(engine_t *E, cb_json *req) {
     /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits. */
     int reuse = 0;
     while (reuse < s->n_tokens && reuse < n_prompt - 1 && s->tokens[reuse] == prompt[reuse]) reuse++;
+    /* A recurrent state cannot be rewound: keep it only when it covers exactly the reused tokens. */
+    if (s->kv.state && reuse < s->n_tokens) reuse = 0;
+    if (s->kv.state && reuse == 0) memset(s->kv.state, 0, E->info.state_bytes);
     s->n_tokens = reuse;
     s->id = id;
     s->prompt = prompt;
@@ -594,9 +597,10 @@ static int alloc_slots(engine_t *E, char *err) {
         s->kv.kv_dim = E->info.kv_dim;
         /* calloc: pages of KV never reached by a sequence are never touched, so never resident. */
         s->kv.k = calloc(per ? per : 1, sizeof(float));
-        s->kv.v = calloc(per ? per : 1, sizeof(float));
+        s->kv.v = E->info.kv_k_only ? NULL : calloc(per ? per : 1, sizeof(float));
         s->tokens = malloc((size_t)E->ctx * sizeof(int));
-        if (!s->kv.k || !s->kv.v || !s->tokens) goto oom;
+        if (E->info.state_bytes && !(s->kv.state = calloc(1, E->info.state_bytes))) goto oom;
+        if (!s->kv.k || (!s->kv.v && !E->info.kv_k_only) || !s->tokens) goto oom;
     }
     E->logits = malloc((size_t)PREFILL_CHUNK * (size_t)E->info.vocab * sizeof(float));
     E->sample_work = malloc((size_t)E->info.vocab * 2 * sizeof(float));
@@ -614,6 +618,7 @@ static void free_engine(engine_t *E) {
             free(E->slots[i].kv.k);
             free(E->slots[i].kv.v);
             free(E->slots[i].tokens);
+            free(E->slots[i].kv.state);
         }
     free(E->slots);
     free(E->logits);
@@ -660,14 +665,15 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("load", err);
         goto out_threads;
     }
-    size_t kv_bytes = (size_t)E.n_slots * 2 * (size_t)E.info.n_layers * (size_t)E.ctx * (size_t)E.info.kv_dim *
+    size_t kv_bytes = (size_t)E.n_slots * (E.info.kv_k_only ? 1 : 2) * (size_t)E.info.n_layers * (size_t)E.ctx *
+                      (size_t)E.info.kv_dim *
                       sizeof(float);
     cb_buf_printf(&E.out, "{\"ev\":\"ready\",\"family\":");
     cb_buf_json_str(&E.out, family->name);
     cb_buf_printf(&E.out, ",\"vocab\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,\"isa\":\"%s\","
-                          "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"expert_cache_bytes\":%zu}",
+                          "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"state_bytes\":%zu,\"expert_cache_bytes\":%zu}",
                   E.info.vocab, E.ctx, E.n_slots, E.cap, cb_threads_count(), cb_isa_name(cb_get_isa()),
-                  E.info.dense_bytes, kv_bytes, E.info.expert_cache_bytes);
+                  E.info.dense_bytes, kv_bytes, (size_t)E.n_slots * E.info.state_bytes, E.info.expert_cache_bytes);
     emit(&E);
 
     rc = 0;

@@ -38,6 +38,7 @@ const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def);
 typedef struct {
     int n_layers, ctx, kv_dim;
     float *k, *v;
+    float *state;              /* the slot's recurrent state (cb_model_info.state_bytes), NULL when none */
 } cb_kv;
 
 static inline float *cb_kv_k(const cb_kv *kv, int layer, int pos) {
@@ -60,6 +61,10 @@ typedef struct {
 typedef struct {
     int vocab;
     int n_layers, kv_dim;      /* KV geometry per slot */
+    int kv_k_only;             /* 1: one row of kv_dim floats per token and layer and no V cache (MLA keeps its
+                                * compressed latent there); cb_kv.v is then NULL */
+    size_t state_bytes;        /* per-slot recurrent state (linear attention), zeroed = the empty sequence; with
+                                * it, a slot's prefix is reused only when it is a prefix of the new prompt */
     size_t dense_bytes;
     size_t expert_cache_bytes;
     int n_expert_layers;

@@ -61,7 +61,7 @@ void cb_experts_free(cb_expert_layer *L);
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
 /* Start reading expert e into the layer's staging buffer on the I/O thread, so the read overlaps compute. A
- * no-op when e is resident, when another prefetch is in flight, or when COLIBRI_PREFETCH=0. The next
+ * no-op when e is resident, when another prefetch is in flight, or unless COLIBRI_PREFETCH=1. The next
  * cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
  * Only prefetch an expert the caller will get before any other miss on this layer. */
 void cb_experts_prefetch(cb_expert_layer *L, int e);
@@ -70,7 +70,7 @@ void cb_experts_prefetch_cancel(cb_expert_layer *L);
 /* Stop the I/O thread (at exit; it restarts on the next prefetch). */
 void cb_experts_io_shutdown(void);
 
-/* Bytes of the one staging buffer prefetching uses (0 when COLIBRI_PREFETCH=0); valid after every init. */
+/* Bytes of the one staging buffer prefetching uses (0 unless COLIBRI_PREFETCH=1); valid after every init. */
 size_t cb_experts_staging_bytes(void);
 
 /* Bytes of the cache at full occupancy. */

@@ -48,6 +48,8 @@ full length for comparisons; the stop token is in config.json (``eos_token_id``)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -58,7 +60,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 VOCAB = 512
 HIDDEN = 64
@@ -623,36 +625,52 @@ def tiny_model(kind: str, tmp_root: str | os.PathLike, *, seed: int = 0, dtype: 
         raise ValueError(f"unknown tiny model kind {kind!r}; choose from {', '.join(KINDS)}")
     key_data = json.dumps({"kind": kind, "seed": seed, "dtype": dtype, **overrides}, sort_keys=True, default=str)
     digest = hashlib.sha256(key_data.encode()).hexdigest()[:12]
-    root = Path(tmp_root)
+    root = Path(tmp_root).resolve()
     out = root / f"{kind}-{digest}"
     sidecar = root / f"{kind}-{digest}.json"
+    memo_key = f"{root}|{key_data}"
     with _lock:
-        memo_key = f"{root.resolve()}|{key_data}"
         if memo_key in _memo and _memo[memo_key].path.is_dir():
             return _memo[memo_key]
-        if sidecar.is_file() and out.is_dir():
-            data = json.loads(sidecar.read_text(encoding="utf-8"))
-            built = TinyModel(Path(data["path"]), data["kind"], data["model_type"], data["num_parameters"],
-                              data["num_stored_elements"])
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
-            shutil.rmtree(staging)
-            try:
-                if kind == "diffusers":
-                    built = build_diffusers_pipeline(staging, seed=seed, dtype=dtype, **overrides)
-                elif kind == "extractor":
-                    built = build_extractor(staging, seed=seed, dtype=dtype, **overrides)
-                else:
-                    built = build_text_model(kind, staging, seed=seed, dtype=dtype, **overrides)
-                if out.exists():
-                    shutil.rmtree(out)
-                os.replace(staging, out)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            built = TinyModel(out, built.kind, built.model_type, built.num_parameters, built.num_stored_elements)
-            record = asdict(built)
-            record["path"] = str(out)
-            _write_json(sidecar, record)
+        root.mkdir(parents=True, exist_ok=True)
+        with _file_lock(root / f".{kind}-{digest}.lock"):   # parallel test processes build a variant once
+            if sidecar.is_file() and out.is_dir():
+                data = json.loads(sidecar.read_text(encoding="utf-8"))
+                built = TinyModel(Path(data["path"]), data["kind"], data["model_type"], data["num_parameters"],
+                                  data["num_stored_elements"])
+            else:
+                built = _build_into(kind, out, seed, dtype, overrides)
+                record = asdict(built)
+                record["path"] = str(out)
+                _write_json(sidecar, record)
         _memo[memo_key] = built
         return built
+
+
+def _build_into(kind: str, out: Path, seed: int, dtype: str, overrides: dict[str, Any]) -> TinyModel:
+    """Build in a staging directory beside ``out`` and rename it into place, so ``out`` is always complete."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out.parent))
+    shutil.rmtree(staging)
+    try:
+        if kind == "diffusers":
+            built = build_diffusers_pipeline(staging, seed=seed, dtype=dtype, **overrides)
+        elif kind == "extractor":
+            built = build_extractor(staging, seed=seed, dtype=dtype, **overrides)
+        else:
+            built = build_text_model(kind, staging, seed=seed, dtype=dtype, **overrides)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return TinyModel(out, built.kind, built.model_type, built.num_parameters, built.num_stored_elements)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

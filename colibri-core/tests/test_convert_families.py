@@ -1,0 +1,82 @@
+"""coli convert on real transformers-saved tiny checkpoints of every MoE family (installed family plugins)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from colibri import plugins
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-families")
+
+
+@pytest.fixture(autouse=True)
+def installed_families(monkeypatch):
+    monkeypatch.delenv("COLIBRI_LOAD_PLUGINS", raising=False)
+    monkeypatch.delenv("COLIBRI_DISABLE_PLUGINS", raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+def _kinds():
+    from colibri.testing.tiny import TEXT_KINDS
+
+    return list(TEXT_KINDS)
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_every_moe_family_converts_and_verifies(kind, tiny_root, tmp_path):
+    pytest.importorskip("transformers")
+    from colibri.convert.container import open_container
+    from colibri.convert.run import convert
+    from colibri.model import resolve_model
+    from colibri.testing.tiny import tiny_model
+
+    built = tiny_model(kind, tiny_root, seed=0)
+    model = resolve_model(str(built.path))          # an installed family plugin claims it (else: a clear error)
+    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    out = tmp_path / "out"
+    result = convert(model, out, experts="int8", dense="int8", verify=True)
+    assert result.verified.experts == len(layout.experts) > 0
+    assert result.verified.max_ratio["int8-row"] <= 1.0
+    # The container is claimed by the same family, and every expert is one contiguous block.
+    again = resolve_model(str(out))
+    assert (again.family, again.model_type) == (model.family, model.model_type)
+    container = open_container(out)
+    for ex in layout.experts:
+        container.extent(ex.tensors)
+    for _, name in layout.routers:
+        assert container.tensors[name].scheme == "f32"
+
+
+def test_olmoe_bf16_int4(tiny_root, tmp_path):
+    pytest.importorskip("colibri_olmoe")
+    from colibri.convert.run import convert
+    from colibri.model import resolve_model
+    from colibri.testing.tiny import tiny_model
+
+    built = tiny_model("olmoe", tiny_root, seed=1, dtype="bfloat16", intermediate_size=64)
+    result = convert(resolve_model(str(built.path)), tmp_path / "out", experts="int4", dense="int4", verify=True)
+    assert result.verified.max_ratio["int4-g64"] <= 1.0
+
+
+@pytest.mark.parametrize("kind", ["extractor", "diffusers"])
+def test_families_without_routed_experts_are_refused(kind, tiny_root, tmp_path):
+    from colibri.convert.run import convert
+    from colibri.errors import FamilyError
+    from colibri.model import resolve_model
+    from colibri.testing.tiny import tiny_model
+
+    try:
+        built = tiny_model(kind, tiny_root, seed=0)
+    except ImportError as exc:
+        pytest.skip(f"{kind}: {exc}")
+    model = resolve_model(str(built.path))
+    with pytest.raises(FamilyError, match="has no converter"):
+        convert(model, tmp_path / "out")
