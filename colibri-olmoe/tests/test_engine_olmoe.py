@@ -21,13 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.builder import build_family  # noqa: E402
-from colibri.engine import Engine, EngineRequestError  # noqa: E402
-from colibri.model import read_config  # noqa: E402
-from colibri.records import ResolvedModel  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-
-from colibri_olmoe.plugin import engine_hparams  # noqa: E402
+from colibri.builder import build_family
+from colibri.engine import Engine, EngineRequestError
+from colibri.model import read_config
+from colibri.records import ResolvedModel
+from colibri.testing.tiny import tiny_model
+from colibri_olmoe.plugin import engine_hparams
 
 GREEDY_TOKENS = 32
 LOGIT_TOL = 1e-4        # f32 weights, f32 arithmetic on both sides: only summation order differs (~1e-6 seen)
@@ -37,10 +36,10 @@ PAD = 1                 # the tiny tokenizer's pad id: transformers masks it out
 # name -> tiny_model overrides. Together: MHA and GQA, norm_topk_prob on and off, tied and untied, clip_qkv,
 # >= 16 experts top-4.
 GEOMETRIES = {
-    "mha_untied": dict(num_kv_heads=4, norm_topk_prob=False, tie_word_embeddings=False, num_layers=2),
-    "gqa_tied_norm": dict(num_kv_heads=2, norm_topk_prob=True, tie_word_embeddings=True, num_layers=3),
-    "gqa1_clip_32experts": dict(num_kv_heads=1, norm_topk_prob=False, num_experts=32, top_k=4, clip_qkv=2.0,
-                                num_layers=2),
+    "mha_untied": {"num_kv_heads": 4, "norm_topk_prob": False, "tie_word_embeddings": False, "num_layers": 2},
+    "gqa_tied_norm": {"num_kv_heads": 2, "norm_topk_prob": True, "tie_word_embeddings": True, "num_layers": 3},
+    "gqa1_clip_32experts": {"num_kv_heads": 1, "norm_topk_prob": False, "num_experts": 32, "top_k": 4,
+                            "clip_qkv": 2.0, "num_layers": 2},
 }
 
 
@@ -261,7 +260,7 @@ def raw_session(binary: Path, model_dir: Path, lines: list[str], *, ctx: int = 6
     argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--threads", "1",
             *engine_hparams(resolved(model_dir))]
     proc = subprocess.run(argv, input="".join(line + "\n" for line in lines).encode(), capture_output=True,
-                          timeout=120)
+                          timeout=120, check=False)
     return proc.returncode, [json.loads(line) for line in proc.stdout.decode().splitlines()]
 
 
@@ -300,7 +299,7 @@ def test_unknown_hyperparameter_is_refused(engine_binary, tiny_root):
     built = tiny_model("olmoe", tiny_root, seed=3, **GEOMETRIES["mha_untied"])
     argv = [str(engine_binary), "--model", str(built.path), *engine_hparams(resolved(built.path)),
             "--set", "num_expertz=4"]
-    proc = subprocess.run(argv, input=b"", capture_output=True, timeout=60)
+    proc = subprocess.run(argv, input=b"", capture_output=True, timeout=60, check=False)
     event = json.loads(proc.stdout.decode().splitlines()[0])
     assert proc.returncode == 2 and event["ev"] == "fatal" and "num_expertz" in event["message"]
 

@@ -123,15 +123,15 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the olmoe engine",
                           f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
     eps = cfg.get("rms_norm_eps", 1e-5)
-    values: dict[str, Any] = dict(
-        hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"], intermediate_size=d["expert_width"],
-        num_experts=d["experts"], num_experts_per_tok=d["top_k"], vocab_size=d["vocab"],
-        rms_norm_eps=repr(float(eps)), norm_topk_prob=int(bool(cfg.get("norm_topk_prob", False))),
-        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
-        attention_bias=int(bool(cfg.get("attention_bias", False))),
-        rope_theta=repr(rope.theta), rope_type=rope.rope_type,
-    )
+    values: dict[str, Any] = {
+        "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"], "head_dim": d["head_dim"], "intermediate_size": d["expert_width"],
+        "num_experts": d["experts"], "num_experts_per_tok": d["top_k"], "vocab_size": d["vocab"],
+        "rms_norm_eps": repr(float(eps)), "norm_topk_prob": int(bool(cfg.get("norm_topk_prob", False))),
+        "tie_word_embeddings": int(bool(cfg.get("tie_word_embeddings", False))),
+        "attention_bias": int(bool(cfg.get("attention_bias", False))),
+        "rope_theta": repr(rope.theta), "rope_type": rope.rope_type,
+    }
     if rope.partial_rotary_factor != 1.0:
         values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
     scaling = rope.scaling or {}
