@@ -733,3 +733,22 @@ def test_resume_refuses_a_source_changed_since_the_interruption(tmp_path):
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     with pytest.raises(UsageError, match="source shards changed since the interrupted conversion began"):
         run_convert(src, stale)
+
+
+def test_refuses_a_second_concurrent_conversion_into_the_same_directory(tiny_src, tmp_path):
+    import fcntl
+
+    from colibri.convert.run import LOCK_FILE, WORK_DIR
+    from colibri.errors import UsageError
+
+    out = tmp_path / "out"
+    (out / WORK_DIR).mkdir(parents=True)
+    fd = os.open(out / WORK_DIR / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)                  # as a running coli convert holds it
+        with pytest.raises(UsageError, match="another coli convert is writing into it right now"):
+            run_convert(tiny_src, out)
+    finally:
+        os.close(fd)
+    run_convert(tiny_src, out, verify=True)             # the lock died with its holder: the run goes through
+    assert not (out / WORK_DIR).exists()

@@ -110,8 +110,8 @@ def test_tiny_v4_layer_kinds(tiny_root):
     assert geo.kv_bytes_per_token == configs.ceil_int((32 + 16) * 4 / 4 + 32 * 4 / 128)
     assert geo.state_bytes_per_slot == 3 * 8 * 32 * 4
     layout = plugin.tensor_layout(model=model)
-    assert "model.layers.0.ffn.gate.tid2eid" in layout.required       # hash-routed first layer
-    assert "model.layers.1.ffn.gate.bias" in layout.required
+    assert "model.layers.0.ffn.gate.tid2eid" in layout.buffers       # hash-routed first layer
+    assert "model.layers.1.ffn.gate.bias" in layout.buffers
     assert layout.experts[0].tensors[0].endswith("ffn.experts.0.w1.weight")
     assert layout.lm_head == "head.weight"
 
@@ -128,7 +128,7 @@ def test_deepseek_v3_real_config(tmp_path):
     layout = plugin.tensor_layout(model=model)
     assert layout.skipped_prefixes == ("model.layers.61.",)
     assert len(layout.experts) == 58 * 256 and len(layout.routers) == 58
-    assert "model.layers.3.mlp.gate.e_score_correction_bias" in layout.required
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in layout.buffers
 
 
 def test_deepseek_v32_real_config_adds_indexer_keys(tmp_path):
@@ -151,7 +151,7 @@ def test_deepseek_v4_legacy_spelling_matches_modern(tmp_path):
     csa, hca = V4_RATIOS.count(4), V4_RATIOS.count(128)
     assert legacy.kv_bytes_per_token == configs.ceil_int(csa * (512 + 128) * 4 / 4 + hca * 512 * 4 / 128)
     layout = plugin.tensor_layout(model=resolved(tmp_path, FAMILY, DEEPSEEK_V4))
-    assert sum(name.endswith("tid2eid") for name in layout.required) == 3
+    assert sum(name.endswith("tid2eid") for name in layout.buffers) == 3
 
 
 def test_bad_config_errors(tmp_path):

@@ -21,12 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.builder import build_family
-from colibri.engine import Engine, EngineRequestError
-from colibri.model import read_config
-from colibri.records import ResolvedModel
-from colibri.testing.tiny import tiny_model
-from colibri_olmoe.plugin import engine_hparams
+from colibri.builder import build_family  # noqa: E402
+from colibri.engine import Engine, EngineRequestError  # noqa: E402
+from colibri.model import read_config  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri_olmoe.plugin import engine_hparams  # noqa: E402
 
 GREEDY_TOKENS = 32
 LOGIT_TOL = 1e-4        # f32 weights, f32 arithmetic on both sides: only summation order differs (~1e-6 seen)

@@ -20,9 +20,9 @@ for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri
     sys.path.insert(0, str(src))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri.model import read_config
-from colibri.records import ResolvedModel
-from colibri_olmoe.plugin import engine_hparams
+from colibri.model import read_config  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri_olmoe.plugin import engine_hparams  # noqa: E402
 
 passed = failed = 0
 

@@ -215,7 +215,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     if model.model_type == "deepseek_v4":
         return _layout_v4(cfg, _read_v4(cfg, where))
     r = _read_mla(cfg, where)
-    norms, routers, experts, required = ["model.norm.weight"], [], [], []
+    norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
         norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -227,7 +227,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
             continue
         routers.append((i, m + "gate.weight"))
-        required.append(m + "gate.e_score_correction_bias")
+        buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
         for e in range(r["experts"]):
             q = f"{m}experts.{e}."
             experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
@@ -239,7 +239,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required),
+        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
@@ -259,7 +259,7 @@ def _with_fp8_scales(required: list[str], experts: list[ExpertTensors]) -> tuple
 
 
 def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
-    norms, routers, experts = ["model.norm.weight"], [], []
+    norms, routers, experts, buffers = ["model.norm.weight"], [], [], []
     required = ["model.hc_head.hc_base", "model.hc_head.hc_fn", "model.hc_head.hc_scale"]
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
@@ -282,7 +282,8 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
             required += [f"{f}{w}.weight" for w in ("w1", "w2", "w3")]
             continue
         routers.append((i, f + "gate.weight"))
-        required.append(f + ("gate.tid2eid" if i in r["hash_layers"] else "gate.bias"))
+        # Both are buffers in transformers (the token -> experts table, the selection bias), not parameters.
+        buffers.append(f + ("gate.tid2eid" if i in r["hash_layers"] else "gate.bias"))
         for e in range(r["experts"]):
             q = f"{f}experts.{e}."
             experts.append(ExpertTensors(i, e, (q + "w1.weight", q + "w3.weight", q + "w2.weight")))
@@ -293,7 +294,8 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "head.weight"),
         lm_head=None if tied else "head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped)
+        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
+        skipped_prefixes=skipped)
 
 
 @hookimpl

@@ -143,7 +143,7 @@ def _kda(sa: str) -> tuple[list[str], list[str]]:
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     r = _read(model)
     moe_name = "block_sparse_moe." if r["linear"] else "mlp."
-    norms, routers, experts, required = ["model.norm.weight"], [], [], []
+    norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
         norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -156,7 +156,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
             continue
         routers.append((i, m + "gate.weight"))
-        required.append(m + "gate.e_score_correction_bias")
+        buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
         for e in range(r["experts"]):
             q = f"{m}experts.{e}."
             names = (q + "w1.weight", q + "w3.weight", q + "w2.weight") if r["linear"] else (
@@ -174,7 +174,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required),
+        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 

@@ -2,8 +2,8 @@
 
 The Python half of ``coli bench quality --model DST --reference SRC``. Both models read the same token ids; the
 first ``prefill`` ids are the prompt (prefill path, matmul kernels) and the rest are fed back one by one through
-the protocol's ``forced`` field (decode path, matvec kernels), with ``logits`` on, so every position's next-token
-distribution is compared: KL(reference || candidate), top-1 agreement, and each model's perplexity on the text.
+the protocol's ``forced`` field (decode path, matvec kernels; needs an engine that emits logits for forced steps),
+with ``logits`` on, so every position's next-token distribution is compared: KL(reference || candidate), top-1 agreement, and each model's perplexity on the text.
 
 Engines are duck-typed (``submit(prompt, logits=, forced=, max_tokens=, temperature=)`` returning a request whose
 ``events()`` yields protocol events), so the metrics are testable without a built engine.
@@ -42,8 +42,8 @@ def forced_logits(engine: Any, ids: Sequence[int], prefill: int, slot: int = 0) 
     if len(ids) < 2 or not 1 <= prefill <= len(ids):
         raise UsageError(f"quality: need at least 2 tokens and 1 <= prefill <= {len(ids)} (got {prefill})")
     forced = ids[prefill:]
-    request = engine.submit(ids[:prefill], slot=slot, logits=True, forced=forced, max_tokens=max(1, len(forced)),
-                            temperature=0.0)
+    request = engine.submit(ids[:prefill], slot=slot, logits=True, forced=forced or None,
+                            max_tokens=max(1, len(forced)), temperature=0.0)
     by_pos: dict[int, list[float]] = {}
     for event in request.events():
         if event.get("ev") == "logits":
@@ -111,3 +111,30 @@ def measure(reference_engine: Any, candidate_engine: Any, texts: Sequence[Sequen
         cand = forced_logits(candidate_engine, ids, prefill)
         reports.append(compare(ref, cand, ids[1:]))
     return merge(reports)
+
+
+def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fraction: float = 1.0,
+                **engine_options: Any) -> QualityReport:
+    """``coli bench quality``: tokenize ``texts`` with the reference's tokenizer, run each model's engine in turn
+    (one at a time, so peak RAM is one model's), and compare. ``candidate``/``reference`` are ResolvedModels;
+    ``engine_options`` go to ``colibri.launch.open_engine`` (ram_gib, ctx, threads, ...).
+
+    Needs an engine that runs colibri-quant containers (the family's ``limits().quant_schemes`` lists them).
+    ``prefill_fraction`` < 1 also compares decode steps (teacher-forced through ``forced``), which needs engines
+    that emit ``logits`` events for forced positions too; today's protocol promises prompt logits only, so the
+    default compares every position through the prefill path.
+    """
+    from .. import plugins
+    from ..launch import open_engine
+
+    tokenizer = plugins.family_hook(reference.family, "load_tokenizer")(model=reference)
+    ids = [tokenizer.encode(t) for t in texts]
+    if any(len(x) < 2 for x in ids):
+        raise UsageError("quality: every text must tokenize to at least 2 tokens")
+    prefills = [max(1, int(len(x) * prefill_fraction)) for x in ids]
+    logits: dict[str, list[np.ndarray]] = {}
+    for label, model in (("reference", reference), ("candidate", candidate)):
+        with open_engine(model, **engine_options) as engine:
+            logits[label] = [forced_logits(engine, x, p).astype(np.float32) for x, p in zip(ids, prefills)]
+    return merge(compare(r.astype(np.float64), c.astype(np.float64), x[1:])
+                 for r, c, x in zip(logits["reference"], logits["candidate"], ids))

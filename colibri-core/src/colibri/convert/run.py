@@ -9,6 +9,7 @@ a finished container; the work directory is removed at the very end.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from .schemes import BY_OPTION, NonFiniteError, ScaleOverflowError
 
 WORK_DIR = ".colibri-convert"
 JOB_FILE = "job.json"
+LOCK_FILE = "lock"
 EXPERT_OPTIONS = ("int8", "int4")
 DENSE_OPTIONS = ("bf16", "int8", "int4")
 
@@ -255,6 +257,18 @@ def _index_bytes(plan: JobPlan) -> bytes:
     return (json.dumps(index, indent=2) + "\n").encode()
 
 
+def _lock_work_dir(work: Path, out: Path) -> int:
+    """An exclusive lock held for the whole run (the kernel drops it when the process dies, even by kill -9)."""
+    fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"--out {out}: another coli convert is writing into it right now",
+                         "wait for it to finish, or pick another directory") from None
+    return fd
+
+
 def _remove_work_dir(work: Path) -> None:
     """Remove receipts first and the job file last, so a kill midway still leaves a resumable directory."""
     for p in sorted(work.iterdir()):
@@ -276,6 +290,39 @@ def _side_files(src: Path) -> list[Path]:
     return out
 
 
+def _run_job(model: ResolvedModel, out: Path, work: Path, plan: JobPlan, index: TensorIndex, state: str,
+             reporter: Reporter) -> tuple[int, list[str]]:
+    """Write every unfinished shard, then the side files, the index, config.json; then drop the work directory."""
+    if state == "fresh":
+        job = {"job": plan.job, "source": str(model.path.resolve()), "experts": plan.experts, "dense": plan.dense,
+               "source_files": _source_stamps(index)}
+        _atomic_write(work / JOB_FILE, json.dumps(job, sort_keys=True).encode(), work)
+    else:
+        _check_source_unchanged(work / JOB_FILE, index)
+    written = 0
+    reporter.start(plan.source_bytes, len(plan.shards))
+    for shard in plan.shards:
+        done = _shard_is_done(out, work, shard, plan.job)
+        reporter.shard(shard, done)
+        if done:
+            reporter.advance(shard.source_bytes)
+            continue
+        _write_shard(out, work, shard, plan.job, reporter)
+        written += 1
+    reporter.finish()
+    copied = []
+    for side in _side_files(model.path):
+        if side.name != "config.json":
+            _atomic_write(out / side.name, side.read_bytes(), work)
+            copied.append(side.name)
+    _atomic_write(out / INDEX_NAME, _index_bytes(plan), work)
+    _atomic_write(out / "config.json", (model.path / "config.json").read_bytes(), work)
+    copied.append("config.json")
+    _remove_work_dir(work)
+    _fsync_dir(out)
+    return written, copied
+
+
 def convert(model: ResolvedModel, out: Path, experts: str = "int8", dense: str = "bf16", verify: bool = False,
             reporter: Reporter | None = None) -> ConvertResult:
     """Convert ``model`` into a container at ``out`` (resuming an interrupted run of the same job)."""
@@ -283,42 +330,19 @@ def convert(model: ResolvedModel, out: Path, experts: str = "int8", dense: str =
     started = time.monotonic()
     out = Path(out)
     plan, index = make_plan(model, experts, dense)
+    if not (model.path / "config.json").is_file():
+        raise CheckpointError(f"{model.path}: has no config.json", "restore it from the original checkpoint")
     state = _prepare_out(model.path, out, plan)
     work = out / WORK_DIR
     written = 0
     copied: list[str] = []
     if state != "done":
         work.mkdir(parents=True, exist_ok=True)
-        if state == "fresh":
-            job = {"job": plan.job, "source": str(model.path.resolve()), "experts": experts, "dense": dense,
-                   "source_files": _source_stamps(index)}
-            _atomic_write(work / JOB_FILE, json.dumps(job, sort_keys=True).encode(), work)
-        else:
-            _check_source_unchanged(work / JOB_FILE, index)
-        reporter.start(plan.source_bytes, len(plan.shards))
-        for shard in plan.shards:
-            done = _shard_is_done(out, work, shard, plan.job)
-            reporter.shard(shard, done)
-            if done:
-                reporter.advance(shard.source_bytes)
-                continue
-            _write_shard(out, work, shard, plan.job, reporter)
-            written += 1
-        reporter.finish()
-        config = None
-        for side in _side_files(model.path):
-            if side.name == "config.json":
-                config = side
-                continue
-            _atomic_write(out / side.name, side.read_bytes(), work)
-            copied.append(side.name)
-        _atomic_write(out / INDEX_NAME, _index_bytes(plan), work)
-        if config is None:
-            raise CheckpointError(f"{model.path}: has no config.json", "restore it from the original checkpoint")
-        _atomic_write(out / "config.json", config.read_bytes(), work)
-        copied.append("config.json")
-        _remove_work_dir(work)
-        _fsync_dir(out)
+        lock = _lock_work_dir(work, out)
+        try:
+            written, copied = _run_job(model, out, work, plan, index, state, reporter)
+        finally:
+            os.close(lock)
     elif work.exists():
         _remove_work_dir(work)     # a previous run was killed while cleaning up
     result = ConvertResult(out=out, shards=len(plan.shards), written_shards=written, source_bytes=plan.source_bytes,

@@ -36,9 +36,10 @@ int cb_deltanet_init(cb_deltanet *d, const cb_st_index *idx, const char *prefix,
     memset(d, 0, sizeof *d);
     d->c = *c;
     if (c->n_k_heads < 1 || c->n_v_heads < 1 || c->k_dim < 1 || c->v_dim < 1 || c->n_v_heads % c->n_k_heads ||
-        c->kernel < 1 || c->kernel > CB_DELTANET_MAX_KERNEL || c->eps <= 0) {
+        c->kernel < 1 || c->kernel > CB_DELTANET_MAX_KERNEL || c->v_dim > CB_DELTANET_MAX_VDIM || c->eps <= 0) {
         snprintf(err, errlen, "--set linear_* hyperparameters out of range (positive sizes, linear_num_value_heads "
-                              "a multiple of linear_num_key_heads, conv kernel 1..%d)", CB_DELTANET_MAX_KERNEL);
+                              "a multiple of linear_num_key_heads, conv kernel 1..%d, value head dim <= %d)",
+                 CB_DELTANET_MAX_KERNEL, CB_DELTANET_MAX_VDIM);
         return -1;
     }
     d->conv_dim = 2 * c->n_k_heads * c->k_dim + c->n_v_heads * c->v_dim;
@@ -73,9 +74,9 @@ static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static void l2norm(float *x, int n) {
-    float sum = 0;
-    for (int i = 0; i < n; i++) sum += x[i] * x[i];
-    float inv = 1.0f / sqrtf(sum + 1e-6f);
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    float inv = 1.0f / sqrtf((float)sum + 1e-6f);
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
@@ -122,25 +123,28 @@ static void run_head(void *ctx, int h) {
         float *o = j->out + (size_t)t * (size_t)value_width + (size_t)h * (size_t)dv;
         float beta = sigmoid(j->b[(size_t)t * (size_t)c->n_v_heads + h]);
         float decay = expf(d->neg_A[h] * softplus(j->a[(size_t)t * (size_t)c->n_v_heads + h] + d->dt_bias[h]));
-        /* o doubles as the S^T k buffer, then holds the output */
-        memset(o, 0, (size_t)dv * sizeof(float));
+        /* Dot products accumulate in double: the state carries rounding from every past token, and the
+         * tiny-model oracle tests showed f32 accumulation alone costing ~1e-4 on logits. */
+        double acc[CB_DELTANET_MAX_VDIM];
+        for (int e = 0; e < dv; e++) acc[e] = 0.0;
         for (int i = 0; i < dk; i++) {
             float *Si = S + (size_t)i * (size_t)dv;
             for (int e = 0; e < dv; e++) {
                 Si[e] *= decay;
-                o[e] += Si[e] * k[i];
+                acc[e] += (double)Si[e] * (double)k[i];
             }
         }
-        for (int e = 0; e < dv; e++) o[e] = (v[e] - o[e]) * beta;
+        for (int e = 0; e < dv; e++) o[e] = (v[e] - (float)acc[e]) * beta;
         for (int i = 0; i < dk; i++) {
             float *Si = S + (size_t)i * (size_t)dv;
             for (int e = 0; e < dv; e++) Si[e] += k[i] * o[e];
         }
-        memset(o, 0, (size_t)dv * sizeof(float));
+        for (int e = 0; e < dv; e++) acc[e] = 0.0;
         for (int i = 0; i < dk; i++) {
             const float *Si = S + (size_t)i * (size_t)dv;
-            for (int e = 0; e < dv; e++) o[e] += Si[e] * q[i];
+            for (int e = 0; e < dv; e++) acc[e] += (double)Si[e] * (double)q[i];
         }
+        for (int e = 0; e < dv; e++) o[e] = (float)acc[e];
         cb_rmsnorm(o, o, d->norm, dv, c->eps);
         const float *zt = j->z + (size_t)t * (size_t)value_width + (size_t)h * (size_t)dv;
         for (int e = 0; e < dv; e++) o[e] *= zt[e] * sigmoid(zt[e]);

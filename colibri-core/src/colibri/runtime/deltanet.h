@@ -21,6 +21,7 @@
 #include "blocks.h"
 
 #define CB_DELTANET_MAX_KERNEL 16
+#define CB_DELTANET_MAX_VDIM 1024
 
 typedef struct {
     int n_k_heads, n_v_heads, k_dim, v_dim, kernel;

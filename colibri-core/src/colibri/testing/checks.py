@@ -14,7 +14,7 @@ def layout_names(layout: TensorLayout) -> list[str]:
     """Every tensor name a layout mentions (duplicates kept, so a test can check there are none)."""
     names = list(layout.embeddings) + list(layout.norms) + [name for _, name in layout.routers]
     names += [t for expert in layout.experts for t in expert.tensors]
-    names += list(layout.required)
+    names += list(layout.required) + list(layout.buffers)
     if layout.lm_head and layout.lm_head not in layout.embeddings:
         names.append(layout.lm_head)
     return names
