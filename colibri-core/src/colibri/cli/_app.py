@@ -23,6 +23,17 @@ class ColiGroup(TyperGroup):
     ``--debug`` (or ``COLI_DEBUG=1``) prints the traceback as well.
     """
 
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        # Options of ``coli`` itself (``coli --bogus``) are parsed here, before invoke: same one line, no box.
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except typer.TyperException as exc:
+            # A bare ``coli`` raises a message-less usage error whose job is to show the help: leave it be.
+            if not hasattr(exc, "format_message") or not exc.format_message():
+                raise
+            print_error(f"{exc.format_message()} (see {info_name or 'coli'} --help)")
+            raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)

@@ -2,8 +2,9 @@
 
 The Python half of ``coli bench quality --model DST --reference SRC``. Both models read the same token ids; the
 first ``prefill`` ids are the prompt (prefill path, matmul kernels) and the rest are fed back one by one through
-the protocol's ``forced`` field (decode path, matvec kernels; needs an engine that emits logits for forced steps),
-with ``logits`` on, so every position's next-token distribution is compared: KL(reference || candidate), top-1 agreement, and each model's perplexity on the text.
+the protocol's ``forced`` field (decode path, matvec kernels; needs an engine that emits logits for forced
+steps), with ``logits`` on, so every position's next-token distribution is compared: KL(reference || candidate),
+top-1 agreement, and each model's perplexity on the text.
 
 Engines are duck-typed (``submit(prompt, logits=, forced=, max_tokens=, temperature=)`` returning a request whose
 ``events()`` yields protocol events), so the metrics are testable without a built engine.

@@ -195,10 +195,41 @@ static void attend_one(void *ctx, int task) {
 void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,
                float *scores) {
     attend_job j = {out, scores, q, kv, s, layer, pos0};
+    double t0 = cb_now_s();
     cb_parallel_for(n * s->n_heads, attend_one, &j);
+    cb_prof.attention_s += cb_now_s() - t0;
 }
 
 /* ---- MoE ---- */
+
+/* MoE blocks by layer number: the lookahead of layer L needs layer L+1's router. */
+static cb_moe **moe_by_layer;
+static int moe_by_layer_n;
+
+static void register_moe(cb_moe *m, int layer) {
+    if (layer >= moe_by_layer_n) {
+        int n = layer + 1 > 2 * moe_by_layer_n ? layer + 1 : 2 * moe_by_layer_n;
+        cb_moe **p = realloc(moe_by_layer, (size_t)n * sizeof *p);
+        if (!p) return;   /* no lookahead for this layer; nothing else depends on the registry */
+        for (int i = moe_by_layer_n; i < n; i++) p[i] = NULL;
+        moe_by_layer = p;
+        moe_by_layer_n = n;
+    }
+    moe_by_layer[layer] = m;
+}
+
+static void unregister_moe(cb_moe *m) {
+    int live = 0;
+    for (int i = 0; i < moe_by_layer_n; i++) {
+        if (moe_by_layer[i] == m) moe_by_layer[i] = NULL;
+        live |= moe_by_layer[i] != NULL;
+    }
+    if (!live) {
+        free(moe_by_layer);
+        moe_by_layer = NULL;
+        moe_by_layer_n = 0;
+    }
+}
 
 int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router_name,
                 const char *const expert_names[3], int n_experts, int top_k, int norm_topk_prob, int hidden,
@@ -230,16 +261,22 @@ int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router
     m->gate = malloc(B * (size_t)inter * sizeof(float));
     m->up = malloc(B * (size_t)inter * sizeof(float));
     m->down = malloc(B * (size_t)hidden * sizeof(float));
+    m->y = malloc(B * (size_t)top_k * (size_t)hidden * sizeof(float));
+    m->pair_of_row = malloc(B * (size_t)top_k * sizeof(int));
+    m->next_logits = malloc((size_t)(n_experts > 4096 ? n_experts : 4096) * sizeof(float));
     if (!m->logits || !m->chosen || !m->weight || !m->rows || !m->n_rows || !m->weight_of_row || !m->xs || !m->gate ||
-        !m->up || !m->down) {
+        !m->up || !m->down || !m->y || !m->pair_of_row || !m->next_logits) {
         snprintf(err, errlen, "out of memory for the MoE scratch of layer %d", layer);
         cb_moe_free(m);
         return -1;
     }
+    cb_experts_hint_top_k(top_k);
+    register_moe(m, layer);
     return 0;
 }
 
 void cb_moe_free(cb_moe *m) {
+    unregister_moe(m);
     cb_linear_free(&m->router);
     cb_experts_free(&m->store);
     free(m->logits);
@@ -252,6 +289,9 @@ void cb_moe_free(cb_moe *m) {
     free(m->gate);
     free(m->up);
     free(m->down);
+    free(m->y);
+    free(m->pair_of_row);
+    free(m->next_logits);
     memset(m, 0, sizeof *m);
 }
 
@@ -288,51 +328,149 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
     return cb_moe_experts_forward(m, out, x, n, err, errlen);
 }
 
-int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
-    int E = m->n_experts, K = m->top_k, H = m->hidden, I = m->inter;
-    memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
-    memset(m->n_rows, 0, (size_t)E * sizeof(int));
-    for (size_t j = 0; j < (size_t)n * (size_t)K; j++) m->n_rows[m->chosen[j]]++;
-    for (int e = 0; e < E; e++) {
-        if (!m->n_rows[e]) continue;
-        int rows = 0;
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < K; j++)
-                if (m->chosen[(size_t)i * (size_t)K + (size_t)j] == e) {
-                    m->rows[rows] = i;
-                    m->weight_of_row[rows] = m->weight[(size_t)i * (size_t)K + (size_t)j];
-                    rows++;
-                }
-        cb_expert_view ex;
-        if (cb_experts_get(&m->store, e, &ex, err, errlen)) {
-            cb_experts_prefetch_cancel(&m->store);
-            return -1;
+/* The opt-in lossy knobs: drop each row's lowest-weight choices (chosen = -1) beyond experts_k, and beyond
+ * the fewest whose weights reach experts_top_p of the row's total. Weights are left as they are. */
+static void trim_choices(cb_moe *m, int n) {
+    int K = m->top_k, keep_k = cb_stream.experts_k > 0 && cb_stream.experts_k < K ? cb_stream.experts_k : K;
+    float p = cb_stream.experts_top_p;
+    if (keep_k == K && !(p > 0 && p < 1)) return;
+    for (int i = 0; i < n; i++) {
+        int *c = m->chosen + (size_t)i * (size_t)K;
+        const float *w = m->weight + (size_t)i * (size_t)K;
+        int order[256], k = K < 256 ? K : 256;
+        float total = 0;
+        for (int j = 0; j < k; j++) {
+            order[j] = j;
+            total += w[j];
         }
-        /* While this expert computes, read the next one this call will miss. Every expert between the two is
-         * resident, so nothing can evict or need the staging buffer before that expert is asked for. */
-        for (int next = e + 1; next < E; next++)
-            if (m->n_rows[next] && m->store.slot_of[next] < 0) {
-                cb_experts_prefetch(&m->store, next);
-                break;
+        for (int a = 0; a < k; a++)   /* by weight, heaviest first (stable: lower choice index on ties) */
+            for (int b = a + 1; b < k; b++)
+                if (w[order[b]] > w[order[a]]) { int t = order[a]; order[a] = order[b]; order[b] = t; }
+        float cum = 0;
+        for (int r = 0; r < k; r++) {
+            int drop = r >= keep_k || (p > 0 && p < 1 && total > 0 && cum >= p * total);
+            cum += w[order[r]];
+            if (drop) c[order[r]] = -1;
+        }
+    }
+}
+
+/* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. */
+static void predict_next(cb_moe *m, const float *x) {
+    int next_layer = m->store.layer + 1;
+    cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
+    if (!nx || !nx->router.w || nx->hidden != m->hidden || nx->n_experts > 4096) return;
+    int E = nx->n_experts, K = nx->top_k;
+    cb_matvec(m->next_logits, nx->router.w, nx->router.dt, x, E, m->hidden);
+    cb_expert_layer *S = &nx->store;
+    memset(S->predicted, 0, (size_t)E);
+    for (int j = 0; j < K; j++) {   /* top-k of the logits = top-k of the softmax */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!S->predicted[e] && (best < 0 || m->next_logits[e] > m->next_logits[best])) best = e;
+        S->predicted[best] = 1;
+        cb_prof.lookahead_predicted++;
+        cb_experts_predict(S, best);
+    }
+    S->has_prediction = 1;
+}
+
+/* Score the previous layer's prediction against the experts this one-token call actually routed to. */
+static void score_prediction(cb_moe *m) {
+    cb_expert_layer *S = &m->store;
+    if (!S->has_prediction) return;
+    for (int j = 0; j < m->top_k; j++) {
+        int e = m->chosen[j];
+        if (e < 0) continue;
+        cb_prof.lookahead_actual++;
+        cb_prof.lookahead_hits += S->predicted[e];
+    }
+    S->has_prediction = 0;
+}
+
+/* Run expert e on the given rows (their (row, choice) pairs in m->pair_of_row) into m->y. */
+static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
+    int H = m->hidden, I = m->inter;
+    cb_expert_view ex;
+    if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
+    double t0 = cb_now_s();
+    for (int r = 0; r < rows; r++)
+        memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
+    if (rows == 1) {
+        cb_matvec(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, I, H);
+        cb_matvec(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, I, H);
+    } else {
+        cb_matmul(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, rows, I, H);
+        cb_matmul(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, rows, I, H);
+    }
+    cb_silu_mul(m->gate, m->up, rows * I);
+    if (rows == 1) cb_matvec(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, H, I);
+    else cb_matmul(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, rows, H, I);
+    for (int r = 0; r < rows; r++)
+        memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
+               (size_t)H * sizeof(float));
+    cb_prof.expert_s += cb_now_s() - t0;
+    return 0;
+}
+
+/* Gather the rows of [r0, r1) that chose expert e; returns how many. */
+static int gather_rows(cb_moe *m, int e, int r0, int r1) {
+    int K = m->top_k, rows = 0;
+    for (int i = r0; i < r1; i++)
+        for (int j = 0; j < K; j++)
+            if (m->chosen[(size_t)i * (size_t)K + (size_t)j] == e) {
+                m->rows[rows] = i;
+                m->pair_of_row[rows] = i * K + j;
+                rows++;
             }
-        for (int r = 0; r < rows; r++)
-            memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-        if (rows == 1) {
-            cb_matvec(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, I, H);
-            cb_matvec(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, I, H);
-        } else {
-            cb_matmul(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, rows, I, H);
-            cb_matmul(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, rows, I, H);
-        }
-        cb_silu_mul(m->gate, m->up, rows * I);
-        if (rows == 1) cb_matvec(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, H, I);
-        else cb_matmul(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, rows, H, I);
-        for (int r = 0; r < rows; r++) {
-            float *o = out + (size_t)m->rows[r] * (size_t)H;
-            const float *d = m->down + (size_t)r * (size_t)H;
-            float w = m->weight_of_row[r];
-            for (int c = 0; c < H; c++) o[c] += d[c] * w;
-        }
+    return rows;
+}
+
+int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
+    int E = m->n_experts, K = m->top_k, H = m->hidden;
+    trim_choices(m, n);
+    memset(m->n_rows, 0, (size_t)E * sizeof(int));
+    for (size_t j = 0; j < (size_t)n * (size_t)K; j++)
+        if (m->chosen[j] >= 0) m->n_rows[m->chosen[j]]++;
+    if (n == 1) score_prediction(m);
+    if (!cb_stream.moe_union) {
+        /* One row at a time, each expert by matvec: what batching must reproduce bit for bit. */
+        for (int i = 0; i < n; i++)
+            for (int e = 0; e < E; e++) {
+                int rows = gather_rows(m, e, i, i + 1);
+                if (rows && run_expert(m, e, x, rows, err, errlen)) return -1;
+            }
+    } else {
+        /* The misses go to the I/O pool first (it reads them in file order), the next layer's predictions
+         * after them; resident experts compute while they load, the misses follow in ascending index. */
+        for (int e = 0; e < E; e++)
+            if (m->n_rows[e] && m->store.slot_of[e] < 0) cb_experts_prefetch(&m->store, e);
+        if (n == 1) predict_next(m, x);
+        for (int pass = 0; pass < 2; pass++)
+            for (int e = 0; e < E; e++) {
+                if (!m->n_rows[e] || (m->store.slot_of[e] >= 0) != (pass == 0)) continue;
+                int rows = gather_rows(m, e, 0, n);
+                if (run_expert(m, e, x, rows, err, errlen)) {
+                    cb_experts_prefetch_cancel(&m->store);
+                    return -1;
+                }
+                m->n_rows[e] = 0;   /* done: a later miss may evict it, and it must not run twice */
+            }
+    }
+    if (!cb_stream.moe_union && n == 1) predict_next(m, x);
+    /* Each row sums its experts in ascending index, as transformers' index_add_ loop does. */
+    memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        float *o = out + (size_t)i * (size_t)H;
+        const int *c = m->chosen + (size_t)i * (size_t)K;
+        for (int e = 0, taken = 0; taken < K && e < E; e++)
+            for (int j = 0; j < K; j++) {
+                if (c[j] != e) continue;
+                const float *d = m->y + ((size_t)i * (size_t)K + (size_t)j) * (size_t)H;
+                float w = m->weight[(size_t)i * (size_t)K + (size_t)j];
+                for (int col = 0; col < H; col++) o[col] += d[col] * w;
+                taken++;
+            }
     }
     return 0;
 }

@@ -86,6 +86,9 @@ typedef struct {
     int *n_rows;               /* per expert: how many rows chose it */
     float *weight_of_row;
     float *xs, *gate, *up, *down;
+    float *y;                  /* max_batch x top_k x hidden: each (row, choice)'s expert output */
+    int *pair_of_row;          /* row of the current expert -> its (row, choice) index */
+    float *next_logits;        /* lookahead: the next layer's router applied to this layer's input */
 } cb_moe;
 
 /* Load the router and locate the layer's experts (names: printf formats of (layer, expert), gate/up/down). */
@@ -99,7 +102,15 @@ void cb_moe_free(cb_moe *m);
  * is accumulated in ascending expert order, which is what makes batching exact. */
 int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
 /* The expert half of cb_moe_forward, for families that route differently (router.h): runs the experts already
- * written to m->chosen / m->weight (n rows x top_k) with the same visiting and summation order. */
+ * written to m->chosen / m->weight (n rows x top_k) with the same summation order.
+ *
+ * Streaming: resident experts compute first while the I/O pool reads the missing ones (urgent, in file
+ * order); each (row, choice) output lands in m->y and every row sums its experts in ascending expert index at
+ * the end, so the visiting order never changes a bit. With prefetching on, a one-token call also applies the
+ * NEXT MoE layer's router to this layer's input (the post-attention normed hidden state: the nearest stand-in
+ * for the next layer's input, available one layer early) and stages its top-k as predictions.
+ * cb_stream.moe_union = 0 computes row by row with matvecs instead (the test of batching). The opt-in lossy
+ * knobs cb_stream.experts_k / experts_top_p drop a row's lowest-weight choices here (never by default). */
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
 
 #endif

@@ -41,6 +41,8 @@ typedef struct {
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
+    cb_profile prof;           /* streaming counters and phase times of this sequence's forward passes */
+    double forward_s;
 } slot_t;
 
 typedef struct {
@@ -135,6 +137,48 @@ static void put_counters(cb_buf *b, const cb_expert_counters *c) {
                   (unsigned long long)c->reads);
 }
 
+static void add_profile(cb_profile *acc, const cb_profile *after, const cb_profile *before) {
+    acc->io_wait_s += after->io_wait_s - before->io_wait_s;
+    acc->expert_s += after->expert_s - before->expert_s;
+    acc->attention_s += after->attention_s - before->attention_s;
+#define DELTA(f) acc->f += after->f - before->f
+    DELTA(prefetch_issued); DELTA(prefetch_used); DELTA(prefetch_dropped); DELTA(lookahead_predicted);
+    DELTA(lookahead_actual); DELTA(lookahead_hits); DELTA(direct_reads); DELTA(buffered_reads);
+#undef DELTA
+}
+
+/* The streaming switches and lossy knobs in effect, as JSON fields (ready, done and stats carry them). */
+static void put_streaming(cb_buf *b) {
+    cb_buf_printf(b, ",\"prefetch\":%s,\"pin\":%s,\"io\":\"%s\",\"moe_union\":%s,\"pinned_experts\":%d",
+                  cb_stream.prefetch ? "true" : "false", cb_stream.pin ? "true" : "false", cb_experts_io_name(),
+                  cb_stream.moe_union ? "true" : "false", cb_experts_pinned_total());
+    if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0) {
+        cb_buf_puts(b, ",\"lossy\":\"");
+        if (cb_stream.experts_k > 0) cb_buf_printf(b, "experts-k=%d", cb_stream.experts_k);
+        if (cb_stream.experts_k > 0 && cb_stream.experts_top_p > 0) cb_buf_puts(b, " ");
+        if (cb_stream.experts_top_p > 0) cb_buf_printf(b, "experts-top-p=%g", (double)cb_stream.experts_top_p);
+        cb_buf_puts(b, "\"");
+    }
+}
+
+static void put_profile(cb_buf *b, const cb_profile *p, double forward_s) {
+    double other = forward_s - p->io_wait_s - p->expert_s - p->attention_s;
+    cb_buf_puts(b, ",\"io_wait_s\":");
+    put_float(b, p->io_wait_s);
+    cb_buf_puts(b, ",\"expert_s\":");
+    put_float(b, p->expert_s);
+    cb_buf_puts(b, ",\"attention_s\":");
+    put_float(b, p->attention_s);
+    cb_buf_puts(b, ",\"other_s\":");
+    put_float(b, other > 0 ? other : 0.0);
+    cb_buf_printf(b, ",\"prefetch_issued\":%llu,\"prefetch_used\":%llu,\"prefetch_dropped\":%llu",
+                  (unsigned long long)p->prefetch_issued, (unsigned long long)p->prefetch_used,
+                  (unsigned long long)p->prefetch_dropped);
+    cb_buf_puts(b, ",\"lookahead_recall\":");
+    if (p->lookahead_actual) put_float(b, (double)p->lookahead_hits / (double)p->lookahead_actual);
+    else cb_buf_puts(b, "null");
+}
+
 /* ---- sequences ---- */
 
 static void seq_clear(slot_t *s) {
@@ -154,6 +198,8 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     cb_buf_puts(b, ",\"decode_tps\":");
     put_float(b, s->decode_s > 0 ? (double)s->decode_steps / s->decode_s : 0.0);
     put_counters(b, &s->count);
+    put_streaming(b);
+    put_profile(b, &s->prof, s->forward_s);
     cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
     emit(E);
     seq_clear(s);
@@ -161,8 +207,13 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
 
 static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_logits, char *err) {
     cb_expert_counters before = total_counters(E);
+    cb_profile prof_before = cb_prof;
+    double t0 = now_s();
     int pos0 = s->n_tokens;
     if (E->fam->forward(E->model, &s->kv, tokens, n, pos0, E->logits, all_logits, err, ERRLEN)) return -1;
+    s->forward_s += now_s() - t0;
+    add_profile(&s->prof, &cb_prof, &prof_before);
+    cb_experts_after_tokens(n);
     memcpy(s->tokens + pos0, tokens, (size_t)n * sizeof(int));
     s->n_tokens += n;
     cb_expert_counters after = total_counters(E);
@@ -391,6 +442,8 @@ static void do_submit(engine_t *E, cb_json *req) {
     s->prefill_s = s->decode_s = 0;
     s->decode_steps = 0;
     memset(&s->count, 0, sizeof s->count);
+    memset(&s->prof, 0, sizeof s->prof);
+    s->forward_s = 0;
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
     s->phase = SEQ_PREFILL;
     cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
@@ -410,6 +463,7 @@ static void do_stats(engine_t *E) {
                   (unsigned long long)tot.reads);
     cb_buf_printf(b, ",\"prefilled_tokens\":%llu,\"generated_tokens\":%llu,\"rss_bytes\":%zu",
                   (unsigned long long)E->prefilled_total, (unsigned long long)E->generated_total, cb_rss_bytes());
+    put_streaming(b);
     static const char *names[] = {"layers", "hits", "misses", "bytes_read", "reads"};
     for (int f = 0; f < 5; f++) {
         cb_buf_printf(b, ",\"%s\":[", names[f]);
@@ -531,6 +585,16 @@ static int parse_int_arg(const char *flag, const char *v, int lo, int hi, int *o
     return 0;
 }
 
+static int parse_switch(const char *flag, const char *v, int *out, char *err) {
+    if (v && (!strcmp(v, "1") || !strcmp(v, "on"))) *out = 1;
+    else if (v && (!strcmp(v, "0") || !strcmp(v, "off"))) *out = 0;
+    else {
+        snprintf(err, ERRLEN, "%s needs on or off, got %s", flag, v ? v : "nothing");
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir, cb_hparams *hp, char *err) {
     *model_dir = NULL;
     E->ctx = 4096;
@@ -547,6 +611,28 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--slots")) rc = parse_int_arg(a, v, 1, 1024, &E->n_slots, err);
         else if (!strcmp(a, "--cap")) rc = parse_int_arg(a, v, 0, 1 << 24, &E->cap, err);
         else if (!strcmp(a, "--threads")) rc = parse_int_arg(a, v, 0, 4096, &E->threads, err);
+        else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &cb_stream.prefetch, err);
+        else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &cb_stream.pin, err);
+        else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &cb_stream.moe_union, err);
+        else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &cb_stream.repin_every, err);
+        else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &cb_stream.experts_k, err);
+        else if (!strcmp(a, "--hotset")) {
+            if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
+            cb_stream.hotset_path = v;
+        } else if (!strcmp(a, "--io")) {
+            if (v && !strcmp(v, "auto")) cb_stream.io_mode = CB_IO_AUTO;
+            else if (v && !strcmp(v, "direct")) cb_stream.io_mode = CB_IO_DIRECT;
+            else if (v && !strcmp(v, "buffered")) cb_stream.io_mode = CB_IO_BUFFERED;
+            else { snprintf(err, ERRLEN, "--io needs auto, direct or buffered, got %s", v ? v : "nothing"); return -1; }
+        } else if (!strcmp(a, "--experts-top-p")) {
+            char *end;
+            double p = v ? strtod(v, &end) : 0;
+            if (!v || end == v || *end || !(p > 0 && p <= 1)) {
+                snprintf(err, ERRLEN, "--experts-top-p needs a number in (0, 1], got %s", v ? v : "nothing");
+                return -1;
+            }
+            cb_stream.experts_top_p = p >= 1 ? 0.0f : (float)p;
+        }
         else if (!strcmp(a, "--set")) {
             const char *eq = v ? strchr(v, '=') : NULL;
             if (!eq || eq == v) { snprintf(err, ERRLEN, "--set needs key=value, got %s", v ? v : "nothing"); return -1; }
@@ -563,7 +649,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             hp->n++;
             if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
         } else {
-            snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set)", a);
+            snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
+                                  "--pin, --io, --moe-union, --repin-every, --hotset, --experts-k, --experts-top-p)", a);
             return -1;
         }
         if (rc) return -1;
@@ -665,15 +752,23 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("load", err);
         goto out_threads;
     }
+    cb_experts_after_tokens(0);   /* loads the hot-set sidecar when pinning */
+    if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0)
+        fprintf(stderr, "warning: lossy expert routing (--experts-k / --experts-top-p): tokens will differ from "
+                        "the model's own routing\n");
     size_t kv_bytes = (size_t)E.n_slots * (E.info.kv_k_only ? 1 : 2) * (size_t)E.info.n_layers * (size_t)E.ctx *
                       (size_t)E.info.kv_dim *
                       sizeof(float);
     cb_buf_printf(&E.out, "{\"ev\":\"ready\",\"family\":");
     cb_buf_json_str(&E.out, family->name);
     cb_buf_printf(&E.out, ",\"vocab\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,\"isa\":\"%s\","
-                          "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"state_bytes\":%zu,\"expert_cache_bytes\":%zu}",
+                          "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"state_bytes\":%zu,\"expert_cache_bytes\":%zu",
                   E.info.vocab, E.ctx, E.n_slots, E.cap, cb_threads_count(), cb_isa_name(cb_get_isa()),
                   E.info.dense_bytes, kv_bytes, (size_t)E.n_slots * E.info.state_bytes, E.info.expert_cache_bytes);
+    cb_buf_puts(&E.out, ",\"hotset\":");
+    cb_buf_json_str(&E.out, cb_experts_hotset_status());
+    put_streaming(&E.out);
+    cb_buf_puts(&E.out, "}");
     emit(&E);
 
     rc = 0;
@@ -697,6 +792,10 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     for (int i = 0; i < E.n_slots; i++)
         if (E.slots[i].phase != SEQ_IDLE) finish(&E, &E.slots[i], "cancelled");
 out_threads:
+    if (E.model && rc == 0) {
+        char herr[ERRLEN];
+        if (cb_experts_save_hotset(herr, sizeof herr)) fprintf(stderr, "notice: %s\n", herr);
+    }
     free_engine(&E);
     E.model = NULL;
     cb_experts_io_shutdown();

@@ -1,49 +1,191 @@
-/* experts.c: see experts.h. */
+/* experts.c: see experts.h. The store (LRU + pinning) is here; the I/O pool, the readers and the hot-set
+ * sidecar are in the sections below it. */
+#define _GNU_SOURCE
 #include "experts.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
-/* One I/O thread serves every layer with at most one read in flight: the MoE block prefetches the next expert
- * it will miss while it computes the current one, which is all the overlap a layer-by-layer forward allows. */
-typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t thread;
-    int started, quit;
-    int state;                 /* 0 idle, 1 read requested or in flight, 2 finished */
-    cb_expert_layer *layer;
-    int expert;
-    void *dst;
-    int rc;
-    char err[256];
-    void *staging;             /* owned by the main thread; the worker only writes through dst */
-} io_worker;
+#define DIO_ALIGN 4096
+#define IO_THREADS 2           /* two reads in flight keep a virtio/NVMe queue busy; more only add contention */
+#define MAX_STAGES 64
 
-static io_worker io = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-static int prefetch_enabled = -1;
-static size_t buf_bytes;       /* the largest expert of any layer, rounded up to 64 */
+cb_stream_opts cb_stream = {.moe_union = 1, .repin_every = 64};
+cb_profile cb_prof;
 
-static int prefetch_on(void) {
-    if (prefetch_enabled < 0) {
-        const char *v = getenv("COLIBRI_PREFETCH");
-        /* Opt-in: with the checkpoint in the page cache the read is a memcpy that competes with the compute
-         * threads for cores and memory bandwidth, and on this project's 2-core machines it measured no gain. */
-        prefetch_enabled = v && strcmp(v, "1") == 0;
-    }
-    return prefetch_enabled;
+double cb_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void *alloc_buf(void) { return aligned_alloc(64, buf_bytes); }
+static size_t buf_bytes;       /* the largest expert of any layer + alignment slack, a multiple of DIO_ALIGN */
+static int top_k_hint = 4;
 
-size_t cb_experts_staging_bytes(void) { return prefetch_on() ? buf_bytes : 0; }
+static int prefetch_on(void) {
+    static int env = -1;
+    if (env < 0) {
+        const char *v = getenv("COLIBRI_PREFETCH");
+        env = v && strcmp(v, "1") == 0;
+    }
+    return cb_stream.prefetch || env;
+}
+
+static void *alloc_buf(void) { return aligned_alloc(DIO_ALIGN, buf_bytes); }
+
+/* ---- registry of live layers (for re-pinning and the sidecar) and per-shard file descriptors ---- */
+
+static cb_expert_layer **live;
+static int n_live, live_cap;
+
+static struct {
+    const cb_st_index *idx;
+    int refs, n;
+    int *buffered_fd, *direct_fd;   /* our own descriptors: advice and O_DIRECT must not touch the index's */
+} shards;
+
+static void shards_close(void) {
+    for (int i = 0; i < shards.n; i++) {
+        if (shards.buffered_fd[i] >= 0) close(shards.buffered_fd[i]);
+        if (shards.direct_fd[i] >= 0) close(shards.direct_fd[i]);
+    }
+    free(shards.buffered_fd);
+    free(shards.direct_fd);
+    memset(&shards, 0, sizeof shards);
+}
+
+/* O_DIRECT works where one aligned read at offset 0 succeeds; tmpfs and some overlays refuse the open. */
+static int open_direct(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) return -1;
+    void *probe = aligned_alloc(DIO_ALIGN, DIO_ALIGN);
+    ssize_t r = probe ? pread(fd, probe, DIO_ALIGN, 0) : -1;
+    free(probe);
+    if (r < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int shards_open(const cb_st_index *idx, int want_direct) {
+    if (shards.idx == idx) {
+        shards.refs++;
+        return 0;
+    }
+    if (shards.idx) return 0;   /* one model per process; a second index reads through its own fds */
+    shards.idx = idx;
+    shards.refs = 1;
+    shards.n = idx->n_shards;
+    shards.buffered_fd = malloc((size_t)shards.n * sizeof(int));
+    shards.direct_fd = malloc((size_t)shards.n * sizeof(int));
+    if (!shards.buffered_fd || !shards.direct_fd) {
+        shards_close();
+        return -1;
+    }
+    for (int i = 0; i < shards.n; i++) {
+        shards.buffered_fd[i] = open(idx->shard_paths[i], O_RDONLY | O_CLOEXEC);
+        /* Expert reads are random and exactly sized: kernel readahead would only drag in neighbours that get
+         * evicted before use (measured 7x slower for mmap streaming with 8 MiB readahead). */
+        if (shards.buffered_fd[i] >= 0) posix_fadvise(shards.buffered_fd[i], 0, 0, POSIX_FADV_RANDOM);
+        shards.direct_fd[i] = want_direct ? open_direct(idx->shard_paths[i]) : -1;
+        if (want_direct && shards.direct_fd[i] < 0 && cb_stream.io_mode == CB_IO_DIRECT)
+            fprintf(stderr, "notice: %s refuses direct I/O (%s); reading it buffered\n", idx->shard_paths[i],
+                    strerror(errno));
+    }
+    return 0;
+}
+
+static void shards_release(const cb_st_index *idx) {
+    if (shards.idx == idx && --shards.refs == 0) shards_close();
+}
+
+const char *cb_experts_io_name(void) {
+    int direct = 0, buffered = 0;
+    for (int i = 0; i < shards.n; i++) {
+        if (shards.direct_fd[i] >= 0) direct++;
+        else buffered++;
+    }
+    return direct && buffered ? "mixed" : direct ? "direct" : "buffered";
+}
+
+/* ---- readers (no counters: the I/O threads call these too) ---- */
+
+static int pread_all(int fd, void *dst, uint64_t n, uint64_t offset, uint64_t need, const char *path, char *err,
+                     size_t errlen) {
+    char *p = dst;
+    uint64_t got = 0;
+    while (got < n) {
+        size_t chunk = n - got > ((size_t)1 << 30) ? (size_t)1 << 30 : (size_t)(n - got);
+        ssize_t r = pread(fd, p + got, chunk, (off_t)(offset + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            snprintf(err, errlen, "reading %s at offset %llu: %s", path, (unsigned long long)(offset + got),
+                     strerror(errno));
+            return -1;
+        }
+        if (r == 0) break;
+        got += (uint64_t)r;
+    }
+    if (got < need) {
+        snprintf(err, errlen, "%s is truncated: wanted %llu bytes at offset %llu", path, (unsigned long long)need,
+                 (unsigned long long)offset);
+        return -1;
+    }
+    return 0;
+}
+
+/* Read expert e into buf; *data_off says where its span starts (non-zero only for aligned direct reads). */
+static int raw_read(const cb_expert_layer *L, int e, void *buf, size_t *data_off, char *err, size_t errlen) {
+    const cb_expert_location *loc = &L->loc[e];
+    const cb_st_index *idx = L->idx;
+    int own = shards.idx == idx;
+    *data_off = 0;
+    if (loc->single_read) {
+        int sh = loc->shard[0];
+        if (own && shards.direct_fd[sh] >= 0) {
+            uint64_t lo = loc->span_offset & ~(uint64_t)(DIO_ALIGN - 1);
+            uint64_t need = loc->span_offset + loc->span_bytes - lo;
+            uint64_t len = (need + DIO_ALIGN - 1) & ~(uint64_t)(DIO_ALIGN - 1);
+            /* The last page of the file may be short: only `need` bytes must arrive. */
+            if (pread_all(shards.direct_fd[sh], buf, len, lo, need, idx->shard_paths[sh], err, errlen)) return -1;
+            *data_off = (size_t)(loc->span_offset - lo);
+            __atomic_add_fetch(&cb_prof.direct_reads, 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+        int fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
+        __atomic_add_fetch(&cb_prof.buffered_reads, 1, __ATOMIC_RELAXED);
+        return pread_all(fd, buf, loc->span_bytes, loc->span_offset, loc->span_bytes, idx->shard_paths[sh], err,
+                         errlen);
+    }
+    for (int m = 0; m < 3; m++) {
+        int sh = loc->shard[m];
+        int fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
+        if (pread_all(fd, (char *)buf + loc->rel[m], loc->nbytes[m], loc->offset[m], loc->nbytes[m],
+                      idx->shard_paths[sh], err, errlen))
+            return -1;
+    }
+    __atomic_add_fetch(&cb_prof.buffered_reads, 3, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void count_read(cb_expert_layer *L, int e) {
+    const cb_expert_location *loc = &L->loc[e];
+    L->count.reads += loc->single_read ? 1 : 3;
+    L->count.bytes_read += loc->single_read ? loc->span_bytes : loc->nbytes[0] + loc->nbytes[1] + loc->nbytes[2];
+}
+
+/* ---- the store ---- */
 
 int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n_experts, int cap, int hidden,
                     int inter, const char *const names[3], char *err, size_t errlen) {
     memset(L, 0, sizeof *L);
-    L->staged = -1;
     L->layer = layer;
     L->n_experts = n_experts;
     L->cap = (cap <= 0 || cap > n_experts) ? n_experts : cap;
@@ -55,11 +197,19 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->expert_in = malloc((size_t)L->cap * sizeof(int));
     L->last_use = calloc((size_t)L->cap, sizeof(uint64_t));
     L->buf = calloc((size_t)L->cap, sizeof(void *));
-    if (!L->loc || !L->slot_of || !L->expert_in || !L->last_use || !L->buf) {
+    L->data_off = calloc((size_t)L->cap, sizeof(size_t));
+    L->route_count = calloc((size_t)n_experts, sizeof(uint32_t));
+    L->pinned = calloc((size_t)n_experts, 1);
+    L->predicted = calloc((size_t)n_experts, 1);
+    if (!L->loc || !L->slot_of || !L->expert_in || !L->last_use || !L->buf || !L->data_off || !L->route_count ||
+        !L->pinned || !L->predicted) {
         snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
         cb_experts_free(L);
         return -1;
     }
+    /* Pinning keeps half the cache for the learned hot set and leaves the rest to LRU; a cache that holds
+     * every expert has nothing to protect. */
+    L->pin_budget = cb_stream.pin && L->cap < n_experts ? L->cap / 2 : 0;
     for (int e = 0; e < n_experts; e++) L->slot_of[e] = -1;
     for (int s = 0; s < L->cap; s++) L->expert_in[s] = -1;
     for (int e = 0; e < n_experts; e++) {
@@ -79,7 +229,7 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
             loc->shard[m] = t[m]->shard;
         }
         /* One read when the three matrices tile one span of one shard, in any order, each aligned for its
-         * dtype inside the slot buffer (the buffer itself is 64-byte aligned). */
+         * dtype inside the slot buffer (the buffer itself is page aligned). */
         uint64_t lo = loc->offset[0], hi = loc->offset[0] + loc->nbytes[0], total = 0;
         int same_shard = loc->shard[1] == loc->shard[0] && loc->shard[2] == loc->shard[0], aligned = 1;
         for (int m = 0; m < 3; m++) {
@@ -106,13 +256,44 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
         }
         if (need > L->slot_bytes) L->slot_bytes = need;
     }
-    size_t rounded = (L->slot_bytes + 63) / 64 * 64;
+    /* Slack for a direct read that starts up to one page before the span and ends on a page boundary. */
+    size_t rounded = (L->slot_bytes + 2 * DIO_ALIGN + DIO_ALIGN - 1) / DIO_ALIGN * DIO_ALIGN;
     if (rounded > buf_bytes) buf_bytes = rounded;
+    int want_direct = cb_stream.io_mode == CB_IO_DIRECT || (cb_stream.io_mode == CB_IO_AUTO && L->cap < n_experts);
+    if (shards_open(idx, want_direct)) {
+        snprintf(err, errlen, "out of memory for the shard descriptors");
+        cb_experts_free(L);
+        return -1;
+    }
+    if (n_live == live_cap) {
+        int nc = live_cap ? live_cap * 2 : 64;
+        cb_expert_layer **p = realloc(live, (size_t)nc * sizeof *p);
+        if (!p) {
+            snprintf(err, errlen, "out of memory");
+            shards_release(idx);
+            cb_experts_free(L);
+            return -1;
+        }
+        live = p;
+        live_cap = nc;
+    }
+    live[n_live++] = L;
     return 0;
 }
 
 void cb_experts_free(cb_expert_layer *L) {
     cb_experts_prefetch_cancel(L);
+    for (int i = 0; i < n_live; i++)
+        if (live[i] == L) {
+            live[i] = live[--n_live];
+            shards_release(L->idx);
+            break;
+        }
+    if (!n_live) {
+        free(live);
+        live = NULL;
+        live_cap = 0;
+    }
     if (L->buf)
         for (int s = 0; s < L->cap; s++) free(L->buf[s]);
     free(L->buf);
@@ -120,105 +301,215 @@ void cb_experts_free(cb_expert_layer *L) {
     free(L->slot_of);
     free(L->expert_in);
     free(L->last_use);
+    free(L->data_off);
+    free(L->route_count);
+    free(L->pinned);
+    free(L->predicted);
     memset(L, 0, sizeof *L);
 }
 
 size_t cb_experts_cache_bytes(const cb_expert_layer *L) { return (size_t)L->cap * L->slot_bytes; }
 
-/* Read expert e's bytes into buf (no counters: the I/O thread calls this too). */
-static int raw_read(const cb_expert_layer *L, int e, void *buf, char *err, size_t errlen) {
-    const cb_expert_location *loc = &L->loc[e];
-    if (loc->single_read) return cb_st_pread(L->idx, loc->shard[0], buf, loc->span_bytes, loc->span_offset, err, errlen);
-    for (int m = 0; m < 3; m++)
-        if (cb_st_pread(L->idx, loc->shard[m], (char *)buf + loc->rel[m], loc->nbytes[m], loc->offset[m], err,
-                        errlen))
-            return -1;
-    return 0;
+/* ---- the I/O pool ---- */
+
+enum { ST_FREE = 0, ST_QUEUED, ST_READING, ST_READY };
+
+typedef struct {
+    cb_expert_layer *layer;
+    int expert, state, urgent;
+    uint64_t seq;
+    void *buf;
+    size_t data_off;
+    int rc;
+    char err[256];
+} stage_t;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    pthread_t thread[IO_THREADS];
+    int started, quit, n;
+    stage_t st[MAX_STAGES];
+    uint64_t seq;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+
+/* Two stages per routed expert of a token: the block's own misses plus the next layer's predictions. */
+static int pool_size(void) {
+    int n = 2 * top_k_hint;
+    return n < 4 ? 4 : n > MAX_STAGES ? MAX_STAGES : n;
 }
 
-static void count_read(cb_expert_layer *L, int e) {
-    const cb_expert_location *loc = &L->loc[e];
-    L->count.reads += loc->single_read ? 1 : 3;
-    L->count.bytes_read += loc->single_read ? loc->span_bytes : loc->nbytes[0] + loc->nbytes[1] + loc->nbytes[2];
+void cb_experts_hint_top_k(int top_k) {
+    if (top_k > top_k_hint) top_k_hint = top_k;
+}
+
+size_t cb_experts_staging_bytes(void) { return prefetch_on() ? (size_t)pool_size() * buf_bytes : 0; }
+
+/* The next queued read: urgent before predicted, then by shard and file offset so the disk sees ascending
+ * offsets. Called with the lock held. */
+static stage_t *next_queued(void) {
+    stage_t *best = NULL;
+    for (int i = 0; i < pool.n; i++) {
+        stage_t *s = &pool.st[i];
+        if (s->state != ST_QUEUED) continue;
+        if (!best) { best = s; continue; }
+        const cb_expert_location *a = &s->layer->loc[s->expert], *b = &best->layer->loc[best->expert];
+        if (s->urgent != best->urgent) { if (s->urgent) best = s; continue; }
+        if (a->shard[0] != b->shard[0] ? a->shard[0] < b->shard[0] : a->offset[0] < b->offset[0]) best = s;
+    }
+    return best;
 }
 
 static void *io_main(void *arg) {
     (void)arg;
-    pthread_mutex_lock(&io.mu);
+    pthread_mutex_lock(&pool.mu);
     for (;;) {
-        while (io.state != 1 && !io.quit) pthread_cond_wait(&io.cv, &io.mu);
-        if (io.quit) break;
-        cb_expert_layer *L = io.layer;
-        int e = io.expert;
-        void *dst = io.dst;
-        pthread_mutex_unlock(&io.mu);
+        stage_t *s;
+        while (!(s = next_queued()) && !pool.quit) pthread_cond_wait(&pool.work, &pool.mu);
+        if (pool.quit) break;
+        s->state = ST_READING;
+        cb_expert_layer *L = s->layer;
+        int e = s->expert;
+        void *dst = s->buf;
+        pthread_mutex_unlock(&pool.mu);
         char err[256] = "";
-        int rc = raw_read(L, e, dst, err, sizeof err);
-        pthread_mutex_lock(&io.mu);
-        io.rc = rc;
-        memcpy(io.err, err, sizeof err);
-        io.state = 2;
-        pthread_cond_broadcast(&io.cv);
+        size_t off = 0;
+        int rc = raw_read(L, e, dst, &off, err, sizeof err);
+        pthread_mutex_lock(&pool.mu);
+        s->rc = rc;
+        s->data_off = off;
+        memcpy(s->err, err, sizeof err);
+        s->state = ST_READY;
+        pthread_cond_broadcast(&pool.done);
     }
-    pthread_mutex_unlock(&io.mu);
+    pthread_mutex_unlock(&pool.mu);
     return NULL;
 }
 
-/* Wait for this layer's staged read; returns its result (and clears the staging state). */
-static int wait_staged(cb_expert_layer *L, char *err, size_t errlen) {
-    pthread_mutex_lock(&io.mu);
-    while (io.state == 1) pthread_cond_wait(&io.cv, &io.mu);
-    int rc = io.rc;
-    if (rc && err) snprintf(err, errlen, "%s", io.err);
-    io.state = 0;
-    pthread_mutex_unlock(&io.mu);
-    L->staged = -1;
-    return rc;
+static stage_t *find_stage(const cb_expert_layer *L, int e) {
+    for (int i = 0; i < pool.n; i++)
+        if (pool.st[i].state != ST_FREE && pool.st[i].layer == L && pool.st[i].expert == e) return &pool.st[i];
+    return NULL;
 }
 
-void cb_experts_prefetch(cb_expert_layer *L, int e) {
-    if (!prefetch_on() || e < 0 || e >= L->n_experts || L->slot_of[e] >= 0 || L->staged >= 0) return;
-    pthread_mutex_lock(&io.mu);
-    if (io.state != 0 || (!io.staging && !(io.staging = alloc_buf()))) {
-        pthread_mutex_unlock(&io.mu);
+/* A stage to fill: a free one, else the oldest prediction nobody is reading. An urgent read may take any
+ * prediction; a prediction only one made for another layer (stale once the forward has moved on), so a
+ * layer's guesses never push each other out. */
+static stage_t *take_stage(const cb_expert_layer *L, int urgent) {
+    stage_t *victim = NULL;
+    for (int i = 0; i < pool.n; i++) {
+        stage_t *s = &pool.st[i];
+        if (s->state == ST_FREE) return s;
+        if (!s->urgent && (s->state == ST_QUEUED || s->state == ST_READY) && (urgent || s->layer != L) &&
+            (!victim || s->seq < victim->seq))
+            victim = s;
+    }
+    if (victim) victim->state = ST_FREE;
+    return victim;
+}
+
+static void stage(cb_expert_layer *L, int e, int urgent) {
+    if (!prefetch_on() || e < 0 || e >= L->n_experts || L->slot_of[e] >= 0) return;
+    pthread_mutex_lock(&pool.mu);
+    stage_t *s = find_stage(L, e);
+    if (s) {
+        s->urgent |= urgent;   /* a prediction the block now needs jumps the queue */
+        pthread_mutex_unlock(&pool.mu);
         return;
     }
-    if (!io.started) {
-        io.quit = 0;
-        if (pthread_create(&io.thread, NULL, io_main, NULL) != 0) {
-            pthread_mutex_unlock(&io.mu);
-            prefetch_enabled = 0;
+    if (!pool.started) {
+        pool.n = pool_size();
+        pool.quit = 0;
+        int ok = 1;
+        for (int i = 0; i < IO_THREADS && ok; i++) ok = pthread_create(&pool.thread[i], NULL, io_main, NULL) == 0;
+        if (!ok) {
+            /* Cannot happen short of resource exhaustion; reads then stay synchronous. */
+            pool.quit = 1;
+            pthread_cond_broadcast(&pool.work);
+            pthread_mutex_unlock(&pool.mu);
             return;
         }
-        io.started = 1;
+        pool.started = 1;
     }
-    io.layer = L;
-    io.expert = e;
-    io.dst = io.staging;
-    io.state = 1;
-    L->staged = e;
-    pthread_cond_broadcast(&io.cv);
-    pthread_mutex_unlock(&io.mu);
+    if (!(s = take_stage(L, urgent))) {
+        cb_prof.prefetch_dropped++;
+        pthread_mutex_unlock(&pool.mu);
+        return;
+    }
+    if (!s->buf && !(s->buf = alloc_buf())) {
+        cb_prof.prefetch_dropped++;
+        pthread_mutex_unlock(&pool.mu);
+        return;
+    }
+    s->layer = L;
+    s->expert = e;
+    s->urgent = urgent;
+    s->seq = ++pool.seq;
+    s->rc = 0;
+    s->state = ST_QUEUED;
+    cb_prof.prefetch_issued++;
+    pthread_cond_signal(&pool.work);
+    pthread_mutex_unlock(&pool.mu);
 }
 
+void cb_experts_prefetch(cb_expert_layer *L, int e) { stage(L, e, 1); }
+void cb_experts_predict(cb_expert_layer *L, int e) { stage(L, e, 0); }
+
 void cb_experts_prefetch_cancel(cb_expert_layer *L) {
-    if (L->staged >= 0) wait_staged(L, NULL, 0);
+    pthread_mutex_lock(&pool.mu);
+    for (int i = 0; i < pool.n; i++) {
+        stage_t *s = &pool.st[i];
+        if (s->state == ST_FREE || s->layer != L) continue;
+        while (s->state == ST_READING) pthread_cond_wait(&pool.done, &pool.mu);
+        s->state = ST_FREE;
+    }
+    pthread_mutex_unlock(&pool.mu);
 }
 
 void cb_experts_io_shutdown(void) {
-    pthread_mutex_lock(&io.mu);
-    int started = io.started;
-    io.quit = 1;
-    pthread_cond_broadcast(&io.cv);
-    pthread_mutex_unlock(&io.mu);
-    if (started) pthread_join(io.thread, NULL);
-    pthread_mutex_lock(&io.mu);
-    io.started = 0;
-    io.quit = 0;
-    io.state = 0;
-    free(io.staging);
-    io.staging = NULL;
-    pthread_mutex_unlock(&io.mu);
+    pthread_mutex_lock(&pool.mu);
+    int started = pool.started;
+    pool.quit = 1;
+    pthread_cond_broadcast(&pool.work);
+    pthread_mutex_unlock(&pool.mu);
+    if (started)
+        for (int i = 0; i < IO_THREADS; i++) pthread_join(pool.thread[i], NULL);
+    pthread_mutex_lock(&pool.mu);
+    for (int i = 0; i < MAX_STAGES; i++) {
+        free(pool.st[i].buf);
+        memset(&pool.st[i], 0, sizeof pool.st[i]);
+    }
+    pool.started = 0;
+    pool.quit = 0;
+    pool.n = 0;
+    pthread_mutex_unlock(&pool.mu);
+}
+
+/* If e is staged, wait for it and swap its buffer into slot s. 1 = taken, 0 = not staged, -1 = read failed. */
+static int take_staged(cb_expert_layer *L, int e, int s, char *err, size_t errlen) {
+    if (!pool.started) return 0;
+    pthread_mutex_lock(&pool.mu);
+    stage_t *st = find_stage(L, e);
+    if (!st) {
+        pthread_mutex_unlock(&pool.mu);
+        return 0;
+    }
+    st->urgent = 1;
+    pthread_cond_broadcast(&pool.work);
+    while (st->state == ST_QUEUED || st->state == ST_READING) pthread_cond_wait(&pool.done, &pool.mu);
+    int rc = st->rc;
+    if (rc) {
+        snprintf(err, errlen, "%s", st->err);
+    } else {
+        void *t = L->buf[s];
+        L->buf[s] = st->buf;
+        L->data_off[s] = st->data_off;
+        st->buf = t;
+        cb_prof.prefetch_used++;
+    }
+    st->state = ST_FREE;
+    pthread_mutex_unlock(&pool.mu);
+    return rc ? -1 : 1;
 }
 
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
@@ -226,41 +517,210 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
         return -1;
     }
+    L->route_count[e]++;
     int s = L->slot_of[e];
     if (s >= 0) {
         L->count.hits++;
     } else {
         L->count.misses++;
-        /* An empty slot first, else the least recently used one. */
-        s = 0;
+        /* An empty slot first, else the least recently used unpinned one (pinning never takes every slot). */
+        s = -1;
         for (int i = 0; i < L->cap; i++) {
             if (L->expert_in[i] < 0) { s = i; break; }
-            if (L->last_use[i] < L->last_use[s]) s = i;
+            if (L->pinned[L->expert_in[i]]) continue;
+            if (s < 0 || L->last_use[i] < L->last_use[s]) s = i;
         }
+        if (s < 0) s = 0;
         if (L->expert_in[s] >= 0) L->slot_of[L->expert_in[s]] = -1;
         L->expert_in[s] = -1;
-        if (!L->buf[s] && L->staged != e && !(L->buf[s] = alloc_buf())) {
-            snprintf(err, errlen, "out of memory for an expert slot of layer %d (%zu bytes)", L->layer,
-                     L->slot_bytes);
-            return -1;
+        double t0 = cb_now_s();
+        int staged = take_staged(L, e, s, err, errlen);
+        if (staged < 0) return -1;
+        if (!staged) {
+            if (!L->buf[s] && !(L->buf[s] = alloc_buf())) {
+                snprintf(err, errlen, "out of memory for an expert slot of layer %d (%zu bytes)", L->layer,
+                         buf_bytes);
+                return -1;
+            }
+            if (raw_read(L, e, L->buf[s], &L->data_off[s], err, errlen)) return -1;
         }
-        if (L->staged == e) {
-            /* Prefetched: take the staging buffer as the slot's, and give the slot's old buffer to staging. */
-            if (wait_staged(L, err, errlen)) return -1;
-            void *t = L->buf[s];
-            L->buf[s] = io.staging;
-            io.staging = t;
-        } else if (raw_read(L, e, L->buf[s], err, errlen)) {
-            return -1;
-        }
+        cb_prof.io_wait_s += cb_now_s() - t0;
         count_read(L, e);
         L->expert_in[s] = e;
         L->slot_of[e] = s;
     }
     L->last_use[s] = ++L->tick;
     for (int m = 0; m < 3; m++) {
-        view->w[m] = (const char *)L->buf[s] + L->loc[e].rel[m];
+        view->w[m] = (const char *)L->buf[s] + L->data_off[s] + L->loc[e].rel[m];
         view->dt[m] = L->loc[e].dt[m];
     }
     return 0;
+}
+
+/* ---- learned hot set ---- */
+
+static int tokens_since_repin, repins;
+static char hotset_status[1400] = "none";
+static int hotset_loaded;
+
+const char *cb_experts_hotset_status(void) { return hotset_status; }
+
+int cb_experts_pinned_total(void) {
+    int n = 0;
+    for (int i = 0; i < n_live; i++)
+        for (int e = 0; e < live[i]->n_experts; e++) n += live[i]->pinned[e];
+    return n;
+}
+
+/* Keep the pinned set unless an outsider is routed clearly more (25% + 1) than the weakest member: without
+ * that margin, two experts of near-equal popularity would trade places at every re-pin. */
+static void repin_layer(cb_expert_layer *L) {
+    int E = L->n_experts, n = 0;
+    for (int e = 0; e < E; e++) n += L->pinned[e];
+    for (;;) {
+        int best = -1, weak = -1;
+        for (int e = 0; e < E; e++) {
+            if (L->pinned[e]) {
+                if (weak < 0 || L->route_count[e] < L->route_count[weak]) weak = e;
+            } else if (L->route_count[e] && (best < 0 || L->route_count[e] > L->route_count[best])) {
+                best = e;
+            }
+        }
+        if (best < 0) break;
+        if (n < L->pin_budget) {
+            L->pinned[best] = 1;
+            n++;
+        } else if (weak >= 0 && (double)L->route_count[best] > 1.25 * (double)L->route_count[weak] + 1.0) {
+            L->pinned[weak] = 0;
+            L->pinned[best] = 1;
+        } else {
+            break;
+        }
+    }
+    while (n > L->pin_budget) {   /* a smaller budget than the sidecar's run had */
+        int weak = -1;
+        for (int e = 0; e < E; e++)
+            if (L->pinned[e] && (weak < 0 || L->route_count[e] < L->route_count[weak])) weak = e;
+        L->pinned[weak] = 0;
+        n--;
+    }
+}
+
+/* FNV-1a over every shard's name and JSON header: the sidecar belongs to exactly this checkpoint. */
+static uint64_t model_key(const cb_st_index *idx) {
+    uint64_t h = 1469598103934665603ULL;
+    for (int i = 0; i < idx->n_shards; i++) {
+        const char *base = strrchr(idx->shard_paths[i], '/');
+        base = base ? base + 1 : idx->shard_paths[i];
+        for (const char *p = base; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+        unsigned char len8[8];
+        if (pread(idx->fds[i], len8, 8, 0) != 8) continue;
+        uint64_t hlen = 0;
+        for (int b = 7; b >= 0; b--) hlen = hlen << 8 | len8[b];
+        if (hlen > ((uint64_t)1 << 30)) continue;
+        char *hdr = malloc(hlen ? hlen : 1);
+        if (hdr && pread(idx->fds[i], hdr, hlen, 8) == (ssize_t)hlen)
+            for (uint64_t k = 0; k < hlen; k++) h = (h ^ (unsigned char)hdr[k]) * 1099511628211ULL;
+        free(hdr);
+    }
+    return h;
+}
+
+static void sidecar_path(char *out, size_t n) {
+    if (cb_stream.hotset_path) {
+        snprintf(out, n, "%s", cb_stream.hotset_path);
+        return;
+    }
+    const char *first = shards.idx ? shards.idx->shard_paths[0] : "";
+    const char *slash = strrchr(first, '/');
+    int dir = slash ? (int)(slash - first) : 1;
+    snprintf(out, n, "%.*s/.colibri-hotset", dir, slash ? first : ".");
+}
+
+static cb_expert_layer *layer_no(int layer) {
+    for (int i = 0; i < n_live; i++)
+        if (live[i]->layer == layer) return live[i];
+    return NULL;
+}
+
+#define HOTSET_MAGIC "colibri-hotset"
+#define HOTSET_VERSION 1
+
+/* Load the sidecar's counts into the live layers; a file of another model or version is ignored (noticed). */
+static void load_hotset(void) {
+    hotset_loaded = 1;
+    if (!shards.idx) return;
+    char path[1024];
+    sidecar_path(path, sizeof path);
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char magic[32];
+    int version = 0;
+    unsigned long long key = 0;
+    uint64_t want = model_key(shards.idx);
+    if (fscanf(f, "%31s %d key %llx", magic, &version, &key) != 3 || strcmp(magic, HOTSET_MAGIC)) {
+        snprintf(hotset_status, sizeof hotset_status, "ignored: %s is not a colibri hot-set file", path);
+    } else if (version != HOTSET_VERSION) {
+        snprintf(hotset_status, sizeof hotset_status, "ignored: %s has version %d (this engine writes %d)", path,
+                 version, HOTSET_VERSION);
+    } else if (key != want) {
+        snprintf(hotset_status, sizeof hotset_status, "ignored: %s belongs to another model", path);
+    } else {
+        int layer, n;
+        while (fscanf(f, " layer %d experts %d", &layer, &n) == 2) {
+            cb_expert_layer *L = layer_no(layer);
+            for (int e = 0; e < n; e++) {
+                unsigned long c = 0;
+                if (fscanf(f, "%lu", &c) != 1) break;
+                if (L && e < L->n_experts) L->route_count[e] = (uint32_t)c;
+            }
+        }
+        snprintf(hotset_status, sizeof hotset_status, "loaded");
+        for (int i = 0; i < n_live; i++) repin_layer(live[i]);
+    }
+    if (strncmp(hotset_status, "ignored", 7) == 0) fprintf(stderr, "notice: hot set %s\n", hotset_status);
+    fclose(f);
+}
+
+int cb_experts_save_hotset(char *err, size_t errlen) {
+    if (!cb_stream.pin || !shards.idx || !n_live) return 0;
+    char path[1024], tmp[1100];
+    sidecar_path(path, sizeof path);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        snprintf(err, errlen, "cannot write the hot set %s: %s", tmp, strerror(errno));
+        return -1;
+    }
+    fprintf(f, "%s %d key %016llx\n", HOTSET_MAGIC, HOTSET_VERSION, (unsigned long long)model_key(shards.idx));
+    for (int layer = 0, done = 0; done < n_live; layer++) {
+        cb_expert_layer *L = layer_no(layer);
+        if (!L) continue;
+        done++;
+        fprintf(f, "layer %d experts %d\n", L->layer, L->n_experts);
+        for (int e = 0; e < L->n_experts; e++) fprintf(f, "%u%c", L->route_count[e], e + 1 < L->n_experts ? ' ' : '\n');
+    }
+    int bad = ferror(f);
+    bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) {
+        snprintf(err, errlen, "cannot write the hot set %s: %s", path, strerror(errno));
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+void cb_experts_after_tokens(int n) {
+    if (!cb_stream.pin || !n_live) return;
+    if (!hotset_loaded) load_hotset();
+    tokens_since_repin += n;
+    int every = cb_stream.repin_every > 0 ? cb_stream.repin_every : 64;
+    if (tokens_since_repin < every) return;
+    tokens_since_repin = 0;
+    for (int i = 0; i < n_live; i++) repin_layer(live[i]);
+    if (++repins % 16 == 0) {
+        char err[512];
+        if (cb_experts_save_hotset(err, sizeof err)) fprintf(stderr, "notice: %s\n", err);
+    }
 }

@@ -1,11 +1,17 @@
-/* experts.h: the routed-expert store of one MoE layer.
+/* experts.h: the routed-expert store of one MoE layer, and the streaming machinery around it.
  *
  * Experts stay on disk until a token routes to them. Each layer keeps `cap` slots and evicts the least
- * recently used expert on a miss. A miss costs ONE pread when the expert's gate, up and down matrices are
- * adjacent in the same shard (the layout safetensors gives per-expert tensors), else one pread per matrix.
+ * recently used unpinned expert on a miss. A miss costs ONE read when the expert's gate, up and down matrices
+ * are adjacent in the same shard (the layout safetensors gives per-expert tensors), else one read per matrix.
  * Slot buffers are allocated on first use, so a generous cap costs nothing until the experts are touched.
- * Every buffer has the size of the largest expert of any layer, so the prefetcher's one staging buffer can be
- * swapped with any slot's instead of copied.
+ * Every buffer has the size of the largest expert of any layer (plus direct-I/O alignment slack), so a staged
+ * read can be swapped into any slot instead of copied.
+ *
+ * Streaming (all switchable through cb_stream, none of it changing a bit of any expert or any counter of
+ * hits/misses/bytes): an I/O pool of threads reads staged experts (the block's own misses first, then
+ * lookahead predictions, each class in file-offset order); reads use O_DIRECT where the filesystem allows
+ * (probed per shard) or buffered reads with POSIX_FADV_RANDOM; a learned hot set pins the most-routed experts
+ * of each layer (half the slots) and persists routing counts in a sidecar next to the model.
  */
 #ifndef COLIBRI_EXPERTS_H
 #define COLIBRI_EXPERTS_H
@@ -36,6 +42,31 @@ typedef struct {
     uint64_t hits, misses, bytes_read, reads;
 } cb_expert_counters;
 
+/* Process-wide streaming options, set by the engine from its arguments before the family loads. */
+enum { CB_IO_AUTO = 0, CB_IO_DIRECT = 1, CB_IO_BUFFERED = 2 };
+typedef struct {
+    int prefetch;              /* I/O pool + own-miss staging + router lookahead */
+    int pin;                   /* learned hot set: pin the most-routed experts, persist counts */
+    int io_mode;               /* CB_IO_*: auto = direct when the cache cannot hold every expert and the disk allows */
+    int moe_union;             /* 1: each expert read once per call and applied to all its rows; 0: row by row */
+    int experts_k;             /* lossy: keep at most this many experts per row (0 = the model's top_k) */
+    float experts_top_p;       /* lossy: keep the fewest experts whose routing weight reaches this share (0 = off) */
+    int repin_every;           /* tokens between hot-set re-pins */
+    const char *hotset_path;   /* sidecar file; NULL = <model dir>/.colibri-hotset */
+} cb_stream_opts;
+extern cb_stream_opts cb_stream;
+
+/* Cumulative counters of the streaming machinery and time per phase (seconds, wall clock of the main thread). */
+typedef struct {
+    double io_wait_s, expert_s, attention_s;
+    uint64_t prefetch_issued, prefetch_used, prefetch_dropped;
+    uint64_t lookahead_predicted, lookahead_actual, lookahead_hits;   /* recall = hits / actual */
+    uint64_t direct_reads, buffered_reads;
+} cb_profile;
+extern cb_profile cb_prof;
+
+double cb_now_s(void);
+
 typedef struct {
     int layer, n_experts, cap, hidden, inter;
     const cb_st_index *idx;
@@ -47,7 +78,12 @@ typedef struct {
     void **buf;                /* slot -> buffer, NULL until first used */
     uint64_t tick;
     cb_expert_counters count;
-    int staged;                /* expert being prefetched for this layer, -1 when none */
+    size_t *data_off;          /* slot -> where the expert's bytes start in its buffer (direct-I/O alignment) */
+    uint32_t *route_count;     /* expert -> times routed to (the hot set's statistics) */
+    unsigned char *pinned;     /* expert -> 1 when pinned (its slot is never the LRU victim) */
+    int pin_budget;            /* how many experts may be pinned: half the slots when the cache is partial */
+    unsigned char *predicted;  /* expert -> 1 when the previous layer's lookahead predicted it */
+    int has_prediction;
 } cb_expert_layer;
 
 /* Locate every expert of one layer. names[m] is a printf format taking (layer, expert) for matrix m in
@@ -60,18 +96,33 @@ void cb_experts_free(cb_expert_layer *L);
  * stays valid until the next cb_experts_get on this layer. */
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
-/* Start reading expert e into the layer's staging buffer on the I/O thread, so the read overlaps compute. A
- * no-op when e is resident, when another prefetch is in flight, or unless COLIBRI_PREFETCH=1. The next
- * cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
- * Only prefetch an expert the caller will get before any other miss on this layer. */
+/* Queue a read of expert e into a staging buffer of the I/O pool, so it overlaps compute. A no-op when e is
+ * resident or already staged, or unless prefetching is on (cb_stream.prefetch, or COLIBRI_PREFETCH=1). The
+ * next cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
+ * cb_experts_prefetch is urgent (the caller needs e now); cb_experts_predict is a guess (lookahead), served
+ * after every urgent read and the first to give its buffer up when the pool is full. */
 void cb_experts_prefetch(cb_expert_layer *L, int e);
-/* Wait for and discard an unconsumed prefetch of this layer (error paths; cb_experts_free does it too). */
+void cb_experts_predict(cb_expert_layer *L, int e);
+/* Wait for and discard every staged read of this layer (error paths; cb_experts_free does it too). */
 void cb_experts_prefetch_cancel(cb_expert_layer *L);
-/* Stop the I/O thread (at exit; it restarts on the next prefetch). */
+/* Stop the I/O threads and free the staging buffers (at exit; they restart on the next prefetch). */
 void cb_experts_io_shutdown(void);
 
-/* Bytes of the one staging buffer prefetching uses (0 unless COLIBRI_PREFETCH=1); valid after every init. */
+/* Size the staging pool from the largest top_k of any MoE layer (cb_moe_init calls this). */
+void cb_experts_hint_top_k(int top_k);
+/* Bytes of the staging buffers prefetching uses (0 when it is off); valid after every init. */
 size_t cb_experts_staging_bytes(void);
+
+/* Hot set: count n more tokens; every cb_stream.repin_every tokens re-pin each layer (with hysteresis) and
+ * now and then save the sidecar. No-op unless cb_stream.pin. */
+void cb_experts_after_tokens(int n);
+/* Write the sidecar now (at exit). Returns 0, or -1 with a message (the caller reports it as a notice). */
+int cb_experts_save_hotset(char *err, size_t errlen);
+/* What happened to the sidecar at start: "none", "loaded", "ignored: ..." (for the ready event). */
+const char *cb_experts_hotset_status(void);
+/* Experts pinned across all layers, and the effective read mode ("direct", "buffered", "mixed"). */
+int cb_experts_pinned_total(void);
+const char *cb_experts_io_name(void);
 
 /* Bytes of the cache at full occupancy. */
 size_t cb_experts_cache_bytes(const cb_expert_layer *L);

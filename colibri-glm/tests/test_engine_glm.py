@@ -1,0 +1,192 @@
+"""The GLM engine against transformers: glm4_moe (GQA), glm4_moe_lite (MLA) and glm_moe_dsa (MLA + DSA).
+
+Every model is a tiny random checkpoint from ``colibri.testing.tiny`` (16 experts top-4, n_group 4 / topk_group 2,
+one leading dense layer, shared expert, e_score_correction_bias drawn at 0.25 so it changes which experts win).
+The engine is built by core's builder and driven through ``colibri.engine.Engine`` exactly as ``coli`` drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from colibri import launch  # noqa: E402
+from colibri.builder import build_family  # noqa: E402
+from colibri.engine import Engine  # noqa: E402
+from colibri.errors import ConfigError  # noqa: E402
+from colibri.model import read_config, resolve_model  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing.tiny import tiny_model  # noqa: E402
+
+from colibri_glm.plugin import engine_hparams, model_geometry  # noqa: E402
+
+GREEDY_TOKENS = 32
+PROMPT_TOKENS = 40      # more than one prefill chunk (32), so chunked prefill is on the path
+LOGIT_TOL = 1e-4        # f32 on both sides: only summation order differs (~5e-6 seen)
+MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the tolerance cannot flip under it
+PAD = 1
+F32 = 4
+
+# name -> (kind, tiny_model overrides). The DSA indexer uses 8 heads: with 2, a key often scores exactly 0 on
+# every head (relu), and exact ties at the top-k boundary are broken by torch.topk in an unspecified order.
+# Real GLM-5 has 32 indexer heads. DSA keys are kept when index_topk >= the sequence (prompt + generated = 72):
+# that must equal dense MLA; index_topk 8 is well below it and must equal transformers' sparse selection.
+CASES = {
+    "glm4_moe": ("glm4_moe", {}),                                   # qkv bias + per-head q/k norm, partial RoPE
+    "glm4_moe_plain_tied": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, tie_word_embeddings=True)),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),                         # q_a/q_b LoRA, interleaved RoPE
+    "glm4_moe_lite_qproj_halfsplit_bias": ("glm4_moe_lite",
+                                           dict(q_lora_rank=None, rope_interleave=False, attention_bias=True)),
+    "glm_moe_dsa_dense": ("glm_moe_dsa", dict(index_topk=128, index_n_heads=8)),
+    "glm_moe_dsa_sparse": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8)),
+    "glm_moe_dsa_sparse_shared": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8, num_layers=4,
+                                                      indexer_types=["full", "shared", "full", "shared"])),
+}
+
+
+@pytest.fixture(scope="session")
+def engine_binary() -> Path:
+    return build_family("glm")
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("glm-models")
+
+
+def resolved(path: Path) -> ResolvedModel:
+    cfg = read_config(path)
+    return ResolvedModel(path, "glm", cfg["model_type"], cfg)
+
+
+def start(binary: Path, model_dir: Path, *, ctx: int = 128, slots: int = 1, cap: int = 0) -> Engine:
+    argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots), "--cap", str(cap),
+            "--threads", "2", *engine_hparams(resolved(model_dir))]
+    return Engine(argv)
+
+
+def load_reference(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
+    """transformers' prompt logits, greedy continuation, and the smallest top-1/top-2 margin along it."""
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[0]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
+    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
+
+
+def fixed_prompt(seed: int = 0, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 512) for _ in range(length)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
+    kind, overrides = CASES[case]
+    built = tiny_model(kind, tiny_root, seed=0, **overrides)
+    cfg = read_config(built.path)
+    prompt = fixed_prompt()
+    ref_logits, ref_tokens, margin = reference_run(load_reference(built.path), prompt)
+    assert margin >= MIN_MARGIN, f"reference continuation has a near-tie ({margin}); pick another seed"
+    moe_layers = sum(1 for i in range(cfg["num_hidden_layers"]) if i >= 1)   # tiny: one leading dense layer
+    accesses = None
+    for cap in (1, 2, 0):
+        with start(engine_binary, built.path, cap=cap) as engine:
+            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
+            stats = engine.stats()
+        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
+        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
+        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
+        assert len(stats["hits"]) == moe_layers, "only MoE layers have an expert store"
+        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
+        accesses = accesses or total
+        assert total == accesses, "expert accesses must not depend on the cache size"
+        if cap == 1:
+            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+
+
+def test_dsa_sparse_selection_is_active(engine_binary, tiny_root):
+    """Same weights, index_topk 8 vs 128: positions that hold <= 8 keys are bit-identical, later ones differ."""
+    dense = tiny_model("glm_moe_dsa", tiny_root, seed=0, **CASES["glm_moe_dsa_dense"][1])
+    sparse = tiny_model("glm_moe_dsa", tiny_root, seed=0, **CASES["glm_moe_dsa_sparse"][1])
+    prompt = fixed_prompt()
+    with start(engine_binary, dense.path) as engine:
+        a = torch.tensor(engine.generate(prompt, max_tokens=1, logits=True).logits)
+    with start(engine_binary, sparse.path) as engine:
+        b = torch.tensor(engine.generate(prompt, max_tokens=1, logits=True).logits)
+    assert torch.equal(a[:8], b[:8])
+    assert (a[8:] - b[8:]).abs().amax(dim=-1).min().item() > 100 * LOGIT_TOL
+
+
+@pytest.mark.parametrize("case", ["glm4_moe", "glm4_moe_lite", "glm_moe_dsa_sparse_shared"])
+def test_batched_prefill_is_bit_identical_to_one_token_at_a_time(engine_binary, tiny_root, case):
+    kind, overrides = CASES[case]
+    built = tiny_model(kind, tiny_root, seed=0, **overrides)
+    prompt = fixed_prompt(7, 37)
+    with start(engine_binary, built.path, cap=2) as engine:
+        batched = engine.generate(prompt, max_tokens=1, logits=True).logits
+        engine.reset(0)
+        single = []
+        for i in range(1, len(prompt) + 1):
+            r = engine.generate(prompt[:i], max_tokens=1, logits=True)
+            assert r.accept["reused_tokens"] == i - 1
+            single.append(r.logits[0])
+    assert single == batched  # %.9g round-trips f32 exactly: bit equality
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "glm4_moe_lite", "glm_moe_dsa"])
+def test_plan_kv_bytes_equal_the_engines_allocation(tiny_root, kind):
+    built = tiny_model(kind, tiny_root, seed=0)
+    model = resolve_model(str(built.path))
+    cfg, n = model.config, model.config["num_hidden_layers"]
+    per_token = model_geometry(model).kv_bytes_per_token
+    if kind == "glm4_moe":
+        assert per_token == 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * F32 * n
+    else:
+        # The compressed cache: latent + shared RoPE key per token and layer (+ the DSA indexer's key).
+        width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + (cfg["index_head_dim"] if kind == "glm_moe_dsa" else 0)
+        assert per_token == width * n * F32
+    spec = launch.prepare(model, ctx=96, slots=2, threads=2, ram_gib=4)
+    assert spec.plan.kv_bytes == per_token * 96 * 2
+    with launch.start(spec) as engine:
+        assert engine.ready["kv_bytes"] == spec.plan.kv_bytes
+
+
+def test_coli_run_json_matches_transformers(tiny_root):
+    built = tiny_model("glm4_moe_lite", tiny_root, seed=0)
+    cmd = [sys.executable, "-m", "colibri.cli", "run", "Hello there, GLM", "--model", str(built.path), "--temp", "0",
+           "-n", "12", "--ctx", "128", "--threads", "2", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["family"] == "glm" and data["mode"] == "chat"
+    _, ref_tokens, _ = reference_run(load_reference(built.path), data["prompt_ids"], len(data["generated_ids"]))
+    assert data["generated_ids"] == ref_tokens
+
+
+def test_bad_indexer_and_rope_configs_are_refused(tiny_root):
+    built = tiny_model("glm_moe_dsa", tiny_root, seed=0)
+    model = resolved(built.path)
+    cfg = dict(model.config, indexer_types=["shared", "full", "full"])
+    with pytest.raises(ConfigError, match="indexer_types"):
+        engine_hparams(ResolvedModel(model.path, "glm", model.model_type, cfg))
+    cfg = dict(model.config, rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="yarn"):
+        engine_hparams(ResolvedModel(model.path, "glm", model.model_type, cfg))

@@ -1,0 +1,236 @@
+"""The qwen engine against transformers, for all four Qwen MoE types: token-exact greedy generation, prompt logits,
+every expert-cache size, and the hybrids' recurrent state across chunks, turns and slots.
+
+Every model is a tiny random checkpoint from ``colibri.testing.tiny`` (>= 16 experts, top-4, weights at O(1) scale
+so routing makes real choices); the hybrids get 8 layers so both Gated DeltaNet and full attention appear twice.
+
+Logit accuracy is judged against transformers computing in float64 on the same weights (the exact answer): the
+engine must be within 1e-4 of it, or, where transformers' own float32 run is further off than that, within twice
+transformers' float32 error. That happens on the hybrids only: their l2-normalised keys and "1 + w" norms (weights
+drawn near 1, so scales near 2) amplify float32 rounding, and transformers' chunked delta-rule prefill itself lands
+~1.5e-4 from exact; a real error (a wrong norm, gate or conv tap) is three orders of magnitude larger.
+Tokens are compared with transformers' ordinary float32 ``generate`` along a continuation with no near-ties.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from colibri.builder import build_family  # noqa: E402
+from colibri.chat_session import ChatSession  # noqa: E402
+from colibri.engine import Engine  # noqa: E402
+from colibri.model import read_config  # noqa: E402
+from colibri.plugins import family_hook  # noqa: E402
+from colibri.prompt import Sampling  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
+
+from colibri_qwen.plugin import engine_hparams, model_geometry  # noqa: E402
+
+GREEDY_TOKENS = 32
+LOGIT_TOL = 1e-4
+MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the logit tolerance cannot flip under it
+PAD = 1
+HYBRID_LAYERS = 8       # L L L F L L L F: each attention kind at least twice
+
+# name -> (tiny kind, overrides). Together: qkv bias + shared expert + a dense mlp_only layer (qwen2_moe), per-head
+# q/k norm with all-projection biases and tied embeddings (qwen3_moe), both hybrid projection layouts, and the
+# multimodal wrapper whose LM sits under model.language_model.
+VARIANTS = {
+    "qwen3_moe": ("qwen3_moe", dict(attention_bias=True, tie_word_embeddings=True, num_layers=3)),
+    "qwen2_moe": ("qwen2_moe", dict(num_layers=3, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_next": ("qwen3_next", dict(num_layers=HYBRID_LAYERS)),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(num_layers=HYBRID_LAYERS)),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(num_layers=HYBRID_LAYERS)),
+}
+HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="session")
+def engine_binary() -> Path:
+    return build_family("qwen")
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("qwen-models")
+
+
+def build(tiny_root: Path, variant: str, seed: int = 3):
+    kind, overrides = VARIANTS[variant]
+    return tiny_model(kind, tiny_root, seed=seed, **overrides)
+
+
+def resolved(path: Path) -> ResolvedModel:
+    config = read_config(path)
+    return ResolvedModel(path, "qwen", config["model_type"], config)
+
+
+def start(binary: Path, model_dir: Path, *, ctx: int = 256, slots: int = 1, cap: int = 0) -> Engine:
+    argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots), "--cap", str(cap),
+            "--threads", "2", *engine_hparams(resolved(model_dir))]
+    return Engine(argv)
+
+
+def load_reference(path: Path, dtype=None):
+    dtype = dtype or torch.float32
+    kwargs = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    auto = (transformers.AutoModelForImageTextToText if read_config(path)["model_type"] == "qwen3_5_moe"
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_pretrained(path, dtype=dtype, **kwargs)
+    model.eval()
+    return model
+
+
+def reference_run(model, prompt: list[int], n: int):
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[0]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
+    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
+
+
+def pick_prompt(model, vocab: int, length: int, n: int = GREEDY_TOKENS):
+    """A seeded random prompt whose greedy continuation is never a near-tie."""
+    for seed in range(12):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(2, vocab) for _ in range(length)]
+        logits, tokens, margin = reference_run(model, prompt, n)
+        if margin >= MIN_MARGIN:
+            return prompt, logits, tokens
+    pytest.fail(f"no prompt of 12 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {n} greedy tokens")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, variant):
+    built = build(tiny_root, variant)
+    model = resolved(built.path)
+    geometry = model_geometry(model=model)
+    reference = load_reference(built.path)
+    # 40 tokens: longer than the conv kernel and than one prefill chunk (32), so the conv window and the delta-rule
+    # state cross a chunk boundary inside the prompt.
+    prompt, ref_logits, ref_tokens = pick_prompt(reference, geometry.vocab_size, 40)
+    with torch.no_grad():
+        exact = load_reference(built.path, torch.float64)(torch.tensor([prompt])).logits[0]
+    hf_error = (ref_logits.double() - exact).abs().max().item()
+    bound = max(LOGIT_TOL, 2 * hf_error)
+    moe_layers = len(geometry.moe_layers)
+    for cap in (1, 2, 0):
+        with start(engine_binary, built.path, cap=cap) as engine:
+            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
+            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
+            stats = engine.stats()
+        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
+        got = torch.tensor(result.logits, dtype=torch.float64)
+        error = (got - exact).abs().max().item()
+        assert error <= bound, f"cap {cap}: prompt logits {error:.3g} from exact (transformers f32: {hf_error:.3g})"
+        assert len(stats["hits"]) == moe_layers
+        if cap == 1:
+            assert all(m > 0 for m in stats["misses"])
+    if variant in HYBRIDS:
+        assert geometry.state_bytes_per_slot > 0
+    else:
+        assert (ref_logits.double() - exact).abs().max().item() < LOGIT_TOL / 10   # no hybrid: f32 is tight
+
+
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe_text"])
+def test_one_token_at_a_time_equals_batched_prefill(engine_binary, tiny_root, variant):
+    """Growing the prompt by one token per request continues the recurrent state (the slot's tokens are always a
+    prefix), and must give bit-identical logits to one batched prefill."""
+    built = build(tiny_root, variant)
+    rng = random.Random(7)
+    prompt = [rng.randrange(2, 512) for _ in range(37)]
+    with start(engine_binary, built.path, cap=2) as engine:
+        batched = engine.generate(prompt, max_tokens=1, logits=True).logits
+        engine.reset(0)
+        single = []
+        for i in range(1, len(prompt) + 1):
+            r = engine.generate(prompt[:i], max_tokens=1, logits=True)
+            assert r.accept["reused_tokens"] == i - 1
+            single.append(r.logits[0])
+    assert single == batched
+
+
+def test_recurrent_state_is_reused_only_for_a_full_prefix(engine_binary, tiny_root):
+    built = build(tiny_root, "qwen3_next")
+    a = [5, 17, 99, 300, 41, 8, 250]
+    with start(engine_binary, built.path, slots=2, cap=1) as engine:
+        first = engine.generate(a, slot=0, max_tokens=8).tokens
+        # The slot holds a + the 7 generated tokens it fed back: a continuation of exactly that reuses it all.
+        follow = a + first[:7] + [77, 78, 79]
+        cont = engine.generate(follow, slot=0, max_tokens=8)
+        assert cont.accept["reused_tokens"] == len(a) + 7
+        # A prompt that shares only part of the slot's tokens cannot rewind the state: it starts over.
+        branch = a[:4] + [123, 124]
+        other = engine.generate(branch, slot=0, max_tokens=8)
+        assert other.accept["reused_tokens"] == 0
+        # Another slot's state is independent of slot 0's.
+        on_slot1 = engine.generate(follow, slot=1, max_tokens=8).tokens
+    with start(engine_binary, built.path) as fresh:
+        assert fresh.generate(follow, max_tokens=8).tokens == cont.tokens == on_slot1
+        fresh.reset(0)
+        assert fresh.generate(branch, max_tokens=8).tokens == other.tokens
+
+
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe"])
+def test_multi_turn_chat_reuses_state_and_matches_a_fresh_run(engine_binary, tiny_root, variant):
+    built = build(tiny_root, variant)
+    tok = load_tokenizer_dir(built.path, read_config(built.path))
+    assert tok.has_chat_template
+    sampling = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    with start(engine_binary, built.path, ctx=512) as engine:
+        chat = ChatSession(engine, tok, sampling, max_tokens=12, ctx=512, system="Be brief.")
+        replies = [chat.turn(text, write=lambda s: None) for text in ("hello there", "and then?", "why so?")]
+        turns = list(chat.turns)
+        final_prompt = chat.prompt_ids(list(chat.messages[:-1]))
+    assert turns[0].reused_tokens == 0
+    # Later turns continue the slot's state when the re-rendered history starts with exactly what it holds.
+    assert any(t.reused_tokens > 0 for t in turns[1:]), [t.reused_tokens for t in turns]
+    for t in turns[1:]:
+        assert t.prefilled_tokens == t.prompt_tokens - t.reused_tokens
+    with start(engine_binary, built.path, ctx=512) as fresh:
+        again = fresh.generate(final_prompt, max_tokens=12, stop=tok.stop_ids)
+    assert again.tokens == replies[-1].tokens
+
+
+def test_geometry_and_plan_report_recurrent_state(tiny_root):
+    from colibri.inventory import load_facts
+    from colibri.launch import plan_for
+
+    built = build(tiny_root, "qwen3_5_moe")
+    model = resolved(built.path)
+    g = model_geometry(model=model)
+    conv_dim = 2 * 2 * 16 + 4 * 16
+    per_layer = (conv_dim * 3 + 4 * 16 * 16) * 4
+    assert g.state_bytes_per_slot == per_layer * 6            # 6 of 8 layers are Gated DeltaNet
+    assert g.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4         # only the 2 full-attention layers hold KV
+    facts = load_facts(model)
+    plan = plan_for(facts, 8 << 30, 256, 3, None)
+    assert plan.state_bytes == 3 * g.state_bytes_per_slot
+
+
+def test_limits_and_hparams_refuse_what_the_engine_cannot_run(tiny_root):
+    from colibri.errors import ConfigError
+
+    built = build(tiny_root, "qwen2_moe")
+    model = resolved(built.path)
+    assert family_hook("qwen", "limits")(model=model).has_engine
+    cfg = dict(model.config, use_sliding_window=True)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        engine_hparams(ResolvedModel(built.path, "qwen", "qwen2_moe", cfg))
+    cfg = dict(model.config, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        engine_hparams(ResolvedModel(built.path, "qwen", "qwen2_moe", cfg))
