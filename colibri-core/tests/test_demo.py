@@ -1,21 +1,20 @@
-"""``coli demo``: the synthetic checkpoint (real OLMoE layout, torch-free writer), its caching, its budget, a run."""
+"""``coli demo``: the ``demo_model`` hook, the atomic cache-directory builder, the quarter-of-the-experts budget, and
+real runs of the bundled trained model and of ``--synthetic`` (both from colibri-olmoe) streaming experts."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from colibri import demo, plugins
+from colibri import demo, hookimpl, plugins
 from colibri.checkpoint import read_header
+from colibri.errors import EngineError
+from colibri.records import DemoModel
 from colibri.safetensors_writer import write_safetensors
-
-TINY = demo.DemoSpec(hidden=64, layers=3, heads=4, experts=16, top_k=4, expert_width=32, vocab=600,
-                     layers_per_shard=2, tokenizer_corpus_bytes=150_000)
 
 
 def test_safetensors_writer_round_trips(tmp_path):
@@ -35,43 +34,81 @@ def test_safetensors_writer_round_trips(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_tiny_demo_checkpoint_loads_in_transformers(tmp_path):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path / "demo"
-    demo.write_checkpoint(TINY, out)
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "olmoe" and config["num_experts"] == 16
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) == 3       # embeddings + two shards of layers
-    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert model.num_parameters() * 4 == TINY.total_bytes
-    # The N(0, 1/fan_in) recipe: an expert's rows have unit-ish norm, norms sit around 1.
-    q = model.state_dict()["model.layers.1.self_attn.q_proj.weight"]
-    assert 0.8 < float(q.pow(2).sum(1).mean()) < 1.2
-    norm = model.state_dict()["model.layers.1.input_layernorm.weight"]
-    assert 0.9 < float(norm.mean()) < 1.1 and float(norm.std()) > 0.05
-    tok = AutoTokenizer.from_pretrained(str(out))
-    ids = tok("def f(x): return x")["input_ids"]
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits
-    assert logits.shape == (1, len(ids), 600) and torch.isfinite(logits).all()
+@pytest.fixture
+def no_families(monkeypatch):
+    """A plugin manager with no installed family, so only what the test registers answers."""
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "none-at-all")
+    plugins.reset()
+    yield
+    plugins.reset()
 
 
-def test_ensure_checkpoint_builds_once_atomically(tmp_path, monkeypatch):
+class OffersDemo:
+    def __init__(self, root: Path):
+        self.root, self.calls = root, []
+
+    @hookimpl
+    def demo_model(self, cache_dir, synthetic):
+        self.calls.append((cache_dir, synthetic))
+        return DemoModel(self.root / ("random" if synthetic else "trained"), "a test model", "def f(x):",
+                         is_random=synthetic)
+
+
+class OffersNothing:
+    @hookimpl
+    def demo_model(self, cache_dir, synthetic):
+        return None
+
+
+def test_hook_demo_model_first_answer_wins_and_gets_the_flag(tmp_path, monkeypatch, no_families):
     monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
-    path, built = demo.ensure_checkpoint(TINY)
-    assert built and (path / demo.COMPLETE_MARKER).exists()
-    assert path.parent == tmp_path / "cache" / "demo"
-    assert [p.name for p in path.parent.iterdir() if not p.name.endswith(".lock")] == [TINY.name]
-    again, built_again = demo.ensure_checkpoint(TINY)
-    assert again == path and not built_again
-    # A leftover without the marker (a killed build) is rebuilt, not trusted.
-    (path / demo.COMPLETE_MARKER).unlink()
-    _, rebuilt = demo.ensure_checkpoint(TINY)
-    assert rebuilt
+    offers = OffersDemo(tmp_path)
+    plugins.register(OffersNothing(), "declines")
+    plugins.register(offers, "offers")
+    trained = demo.find_demo_model()
+    assert trained == DemoModel(tmp_path / "trained", "a test model", "def f(x):", is_random=False)
+    assert trained.cache_fraction == 0.25
+    random = demo.find_demo_model(synthetic=True)
+    assert random.is_random and random.path == tmp_path / "random"
+    assert offers.calls == [(tmp_path / "cache" / "demo", False), (tmp_path / "cache" / "demo", True)]
+    assert (tmp_path / "cache" / "demo").is_dir()          # the hook is promised a writable directory
+
+
+def test_hook_demo_model_unanswered_is_one_clear_error(tmp_path, monkeypatch, no_families):
+    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
+    plugins.register(OffersNothing(), "declines")
+    with pytest.raises(EngineError) as err:
+        demo.find_demo_model()
+    assert "no installed family offers a demo model" in str(err.value)
+    assert "colibri-olmoe" in err.value.hint
+    res = CliRunner().invoke(__import__("colibri.cli", fromlist=["app"]).app, ["demo", "--synthetic"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "no installed family offers a synthetic demo model" in res.output
+
+
+def test_ensure_directory_builds_once_atomically(tmp_path):
+    built: list[Path] = []
+
+    def write(out: Path) -> None:
+        built.append(out)
+        out.mkdir()
+        (out / "weights").write_text("w")
+
+    final = tmp_path / "demo" / "m"
+    path, now = demo.ensure_directory(final, write)
+    assert now and path == final and (final / "weights").exists() and (final / demo.COMPLETE_MARKER).exists()
+    assert built[0] != final and not built[0].exists()       # written beside it, then renamed into place
+    assert demo.ensure_directory(final, write) == (final, False) and len(built) == 1
+    (final / demo.COMPLETE_MARKER).unlink()                  # a killed build leaves no marker: rebuilt
+    assert demo.ensure_directory(final, write) == (final, True) and len(built) == 2
+
+    def fail(out: Path) -> None:
+        out.mkdir()
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        demo.ensure_directory(tmp_path / "demo" / "broken", fail)
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir() if not p.name.endswith(".lock")) == ["m"]
 
 
 @pytest.fixture
@@ -83,32 +120,51 @@ def olmoe_installed(monkeypatch):
     plugins.reset()
 
 
-def test_budget_holds_a_quarter_of_the_experts(tmp_path, olmoe_installed):
+def test_budget_holds_a_quarter_of_the_experts(olmoe_installed):
     from colibri.inventory import load_facts
     from colibri.launch import prepare
     from colibri.model import resolve_model
 
-    out = tmp_path / "demo"
-    demo.write_checkpoint(TINY, out)
-    facts = load_facts(resolve_model(out))
+    offered = demo.find_demo_model()
+    facts = load_facts(resolve_model(offered.path))
     ram = demo.budget_for_cache_fraction(facts, ctx=256)
     spec = prepare(facts.model, ram_gib=ram / 1024 ** 3, ctx=256, facts=facts)
-    assert spec.cap == 4                                       # 16 experts / 4
+    assert spec.cap == facts.geometry.num_experts // 4
     assert spec.plan.ram_bytes < facts.tensors.total_bytes + spec.plan.kv_bytes + spec.plan.reserve_bytes
 
 
-def test_coli_demo_runs_streaming_experts(tmp_path, monkeypatch, olmoe_installed):
-    """The real thing: the default-size checkpoint under a budget smaller than the model."""
-    monkeypatch.setattr(demo, "cache_root", lambda: tmp_path)   # the engine build stays in the shared cache
+def run_demo(*args: str):
     res = CliRunner().invoke(__import__("colibri.cli", fromlist=["app"]).app,
-                             ["demo", "--tokens", "12", "--threads", "2"], catch_exceptions=False)
+                             ["demo", "--threads", "2", *args], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    out = res.stdout
-    assert "RANDOM weights" in out and "noise" in out
-    assert "8 of 32 experts per layer (25%" in out
+    return res.stdout
+
+
+def test_coli_demo_runs_the_bundled_model_streaming_experts(olmoe_installed):
+    """The default: the trained model under a budget that caches a quarter of its experts, greedy completion."""
+    out = run_demo("--tokens", "24")
+    assert "colibri-nano" in out and "RANDOM" not in out and "noise" not in out
+    assert re.search(r"8 of 32 experts per layer \(25%", out)
     assert "smaller than the model" in out
-    read = re.search(r"streamed\s+([\d.]+) (MiB|GiB) of experts read from disk in (\d+) reads", out)
-    assert read and int(read.group(3)) > 0
-    assert re.search(r"decode 12 tok", out)
-    assert (tmp_path / "demo" / demo.DemoSpec().name / demo.COMPLETE_MARKER).exists()
-    assert os.path.getsize(next((tmp_path / "demo" / demo.DemoSpec().name).glob("*00002*"))) > 50_000_000
+    read = re.search(r"streamed\s+([\d.]+) (KiB|MiB) of experts read from disk in (\d+) reads "
+                     r"\(hit rate ([\d.]+)%", out)
+    assert read and int(read.group(3)) > 0 and 0 < float(read.group(4)) < 100
+    completion = out[out.index("def fibonacci(n):"):].split("\n\n")[0]
+    assert len(completion) > len("def fibonacci(n):") + 8    # it wrote something after the prompt
+    again = run_demo("--tokens", "24")                        # greedy: placement never changes the tokens
+    assert again[again.index("def fibonacci(n):"):].split("\n\n")[0] == completion
+
+
+def test_coli_demo_synthetic_runs_a_random_model(tmp_path, monkeypatch, olmoe_installed):
+    from colibri_olmoe import plugin
+    from colibri_olmoe.synthetic import DemoSpec
+
+    tiny = DemoSpec(hidden=64, layers=3, heads=4, experts=16, top_k=4, expert_width=32, vocab=600,
+                    layers_per_shard=2, tokenizer_corpus_bytes=150_000)
+    monkeypatch.setattr(plugin, "synthetic_spec", lambda: tiny)
+    monkeypatch.setattr(demo, "demo_cache_dir", lambda: tmp_path / "demo")   # the engine build stays shared
+    out = run_demo("--synthetic", "--tokens", "12", "--prompt", "import os")
+    assert "RANDOM weights" in out and "noise" in out
+    assert "4 of 16 experts per layer (25%" in out
+    assert re.search(r"decode 12 tok", out)                   # no stop tokens for a random model
+    assert (tmp_path / "demo" / tiny.name / demo.COMPLETE_MARKER).exists()

@@ -171,8 +171,8 @@ def test_plan_kv_bytes_equal_the_engines_allocation(tiny_root, kind):
 
 def test_coli_run_json_matches_transformers(tiny_root):
     built = tiny_model("glm4_moe_lite", tiny_root, seed=0)
-    cmd = [sys.executable, "-m", "colibri.cli", "run", "Hello there, GLM", "--model", str(built.path), "--temp", "0",
-           "-n", "12", "--ctx", "128", "--threads", "2", "--json"]
+    cmd = [sys.executable, "-c", "from colibri.cli import main; main()", "run", "Hello there, GLM",
+           "--model", str(built.path), "--temp", "0", "-n", "12", "--ctx", "128", "--threads", "2", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)

@@ -119,8 +119,9 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
     for cap, prefetch in ((1, False), (2, False), (0, False), (2, True)):
         with start(engine_binary, built.path, cap=cap, prefetch=prefetch) as engine:
             cached = n_experts if cap == 0 else cap
-            # prefetching (opt-in) adds one staging buffer and must change no token and no counter
-            staging = one_expert if prefetch else 0
+            # prefetching (opt-in) adds the I/O pool's staging buffers and must change no token and no counter
+            staging = engine.ready["staging_bytes"] if prefetch else 0
+            assert (staging >= one_expert) == prefetch
             assert engine.ready["expert_cache_bytes"] == n_layers * cached * one_expert + staging
             result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
             stats = engine.stats()

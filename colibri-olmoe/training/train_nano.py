@@ -50,23 +50,23 @@ TEST_DIRS = {"test", "tests", "idle_test"}
 class RunConfig:
     seed: int = 0
     vocab: int = 8192
-    hidden: int = 256
+    hidden: int = 128
     layers: int = 4
     heads: int = 4
     experts: int = 32
     top_k: int = 4
-    expert_width: int = 256
+    expert_width: int = 192
     seq: int = 256
-    batch: int = 16
-    steps: int = 1200
-    lr: float = 2e-3
+    batch: int = 8
+    steps: int = 300
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 60
+    warmup: int = 20
     weight_decay: float = 0.1
     aux_coef: float = 0.01
     grad_clip: float = 1.0
     heldout_percent: int = 5
-    eval_windows: int = 96
+    eval_windows: int = 32
     threads: int = 2
     max_context: int = 2048
 
@@ -316,7 +316,7 @@ def train(cfg: RunConfig, out: Path, tokenizer_dir: Path | None, dtype: str, eva
         opt.step()
         tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
         if first_loss is None:
-            first_loss = float(lm)
+            first_loss = float(lm.detach())
         record = {"step": step + 1, "lm_loss": round(float(lm), 5), "aux_loss": round(float(aux), 5),
                   "lr": lr_at(step, cfg), "tokens": tokens_seen, "elapsed_s": round(time.time() - t0, 1)}
         if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
@@ -380,7 +380,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="reuse tokenizer.json from this directory instead of training one")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=100)
     for name, value in asdict(defaults).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)

@@ -164,7 +164,7 @@ def test_one_token_at_a_time_equals_batched_prefill(engine_binary, tiny_root, va
     assert single == batched
 
 
-def test_recurrent_state_is_reused_only_for_a_full_prefix(engine_binary, tiny_root):
+def test_recurrent_state_is_reused_only_where_it_is_exact(engine_binary, tiny_root):
     built = build(tiny_root, "qwen3_next")
     a = [5, 17, 99, 300, 41, 8, 250]
     with start(engine_binary, built.path, slots=2, cap=1) as engine:
@@ -177,12 +177,18 @@ def test_recurrent_state_is_reused_only_for_a_full_prefix(engine_binary, tiny_ro
         branch = a[:4] + [123, 124]
         other = engine.generate(branch, slot=0, max_tokens=8)
         assert other.accept["reused_tokens"] == 0
+        # A turn that keeps the prompt but not the generated tokens resumes from the end-of-prompt checkpoint.
+        retry = branch + [other.tokens[0] + 1 if other.tokens[0] + 1 < 512 else 2, 60]
+        resumed = engine.generate(retry, slot=0, max_tokens=8)
+        assert resumed.accept["reused_tokens"] == len(branch)
         # Another slot's state is independent of slot 0's.
         on_slot1 = engine.generate(follow, slot=1, max_tokens=8).tokens
     with start(engine_binary, built.path) as fresh:
         assert fresh.generate(follow, max_tokens=8).tokens == cont.tokens == on_slot1
         fresh.reset(0)
         assert fresh.generate(branch, max_tokens=8).tokens == other.tokens
+        fresh.reset(0)
+        assert fresh.generate(retry, max_tokens=8).tokens == resumed.tokens
 
 
 @pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe"])
@@ -215,7 +221,8 @@ def test_geometry_and_plan_report_recurrent_state(tiny_root):
     g = model_geometry(model=model)
     conv_dim = 2 * 2 * 16 + 4 * 16
     per_layer = (conv_dim * 3 + 4 * 16 * 16) * 4
-    assert g.state_bytes_per_slot == per_layer * 6            # 6 of 8 layers are Gated DeltaNet
+    # 6 of 8 layers are Gated DeltaNet; x 2 for the engine's end-of-prompt checkpoint of the state
+    assert g.state_bytes_per_slot == 2 * per_layer * 6
     assert g.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4         # only the 2 full-attention layers hold KV
     facts = load_facts(model)
     plan = plan_for(facts, 8 << 30, 256, 3, None)

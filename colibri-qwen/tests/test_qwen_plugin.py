@@ -104,7 +104,8 @@ def test_tiny_hybrid_geometry(tiny_root, kind):
     # layers 0-2 Gated DeltaNet, layer 3 full attention: KV for one layer only.
     assert geo.kv_bytes_per_token == 1 * 2 * 2 * 16 * 4
     conv_dim = 2 * 2 * 16 + 4 * 16
-    assert geo.state_bytes_per_slot == 3 * (conv_dim * 3 * 4 + 4 * 16 * 16 * 4)
+    # live state + the engine's end-of-prompt checkpoint
+    assert geo.state_bytes_per_slot == 2 * 3 * (conv_dim * 3 * 4 + 4 * 16 * 16 * 4)
 
 
 @pytest.mark.parametrize("overrides", [{"num_experts": 8, "top_k": 2}, {"tie_word_embeddings": True},
@@ -149,7 +150,7 @@ def test_qwen3_next_80b(tmp_path):
     geo = plugin.model_geometry(model=model)
     assert geo.kv_bytes_per_token == 12 * 2 * 2 * 256 * 4
     conv_dim = 2 * 16 * 128 + 32 * 128
-    assert geo.state_bytes_per_slot == 36 * (conv_dim * 3 * 4 + 32 * 128 * 128 * 4)
+    assert geo.state_bytes_per_slot == 2 * 36 * (conv_dim * 3 * 4 + 32 * 128 * 128 * 4)
     assert "partial 0.25" in dict(geo.notes)["rope"]
     layout = plugin.tensor_layout(model=model)
     assert "model.layers.3.self_attn.q_proj.weight" in layout.required
@@ -180,4 +181,4 @@ def test_bad_field_is_a_config_error(tmp_path):
 
 def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, "qwen", QWEN3_30B_A3B))
-    assert lim.max_context == 40960 and (lim.has_engine or lim.reason_no_engine == "no engine for qwen yet")
+    assert lim.max_context == 40960 and lim.has_engine

@@ -288,6 +288,28 @@ def check_roles(layout: TensorLayout, names: set[str], geometry: Geometry) -> Ch
 
 # ---------------------------------------------------------------------------------------------- driver
 
+def check_container(model_dir: Path, model: ResolvedModel) -> tuple[Check, Any]:
+    """Validate a colibri-quant stamp with the container reader, and that the family's engine runs its schemes.
+    Returns the check and the container (None when native or refused)."""
+    from .convert.container import open_container
+
+    container, failed = _guarded("container", lambda: open_container(model_dir))
+    if failed:
+        return failed, None
+    if container is None:
+        return Check("container", PASS, "native checkpoint (no colibri-quant stamp)"), None
+    schemes = sorted({t.scheme for t in container.tensors.values() if t.quant is not None})
+    limits = family_answer(model, "limits")
+    supported = limits.quant_schemes if limits is not None else ()
+    missing = [s for s in schemes if s not in supported]
+    detail = (f"colibri-quant v{container.version}, {len(container.tensors)} tensors "
+              f"({', '.join(schemes) or 'no quantized tensors'})")
+    if missing:
+        return Check("container", FAIL, f"{detail}; the {model.family} engine does not run {', '.join(missing)} "
+                                        f"(it runs {', '.join(supported) or 'no quantized weights'})"), container
+    return Check("container", PASS, detail), container
+
+
 def _guarded(name: str, fn: Callable[[], Any]) -> tuple[Any, Check | None]:
     """Run a step that asks the family something; a ColibriError becomes a failed check, not an abort."""
     try:
@@ -330,6 +352,8 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
     scan = ShardScan()
     checks.append(failed or check_shards(shard_sets, scan))
+    container_check, container = check_container(model_dir, model)
+    checks.append(container_check)
     checks.append(check_disk_space(model_dir))
     built, status = engine_status(model.family, model)
     checks.append(Check("engine", PASS if built else WARN, status))
@@ -342,7 +366,9 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
         if layout is None:
             checks.append(Check("tensor roles", WARN, f"family {model.family} gives no tensor layout"))
         else:
-            checks.append(check_roles(layout, scan.names, geometry))
+            # A container's roles are its source tensors (the scheme map), not the .qweight/.scales it stores.
+            names = set(container.tensors) if container is not None else scan.names
+            checks.append(check_roles(layout, names, geometry))
     return checks
 
 

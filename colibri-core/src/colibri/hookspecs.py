@@ -7,7 +7,7 @@ A family is one Python module registered under the entry-point group ``colibri.f
 
 Two kinds of hooks exist:
 
-* *Discovery hooks* (``describe_family``, ``detect_config``) are called on every installed family.
+* *Discovery hooks* (``describe_family``, ``detect_config``, ``demo_model``) are called on every installed family.
 * *Model hooks* (everything that takes ``model``) are called only on the family that claimed the model,
   followed by core's own defaults (registered ``trylast``); for ``firstresult`` hooks the family's answer wins
   and core's default applies when the family returns ``None`` or does not implement the hook.
@@ -25,6 +25,7 @@ import pluggy
 from .records import (
     Claim,
     ConverterSpec,
+    DemoModel,
     EngineEnv,
     EngineSource,
     FamilyDescriptor,
@@ -186,4 +187,19 @@ def load_tokenizer(model: ResolvedModel) -> Any:
 
     :param model: the resolved model.
     :returns: a :class:`colibri.tokenizer.TextTokenizer`.
+    """
+
+
+@hookspec(firstresult=True)
+def demo_model(cache_dir: Path, synthetic: bool) -> DemoModel | None:
+    """Offer a checkpoint for ``coli demo`` (``coli demo --synthetic`` asks with ``synthetic=True``).
+
+    A discovery hook: called on every installed family, firstresult, no core default (``coli demo`` says which
+    package to install when nobody answers). colibri-olmoe answers with its bundled trained model (package data)
+    or, for ``synthetic``, a random-weight checkpoint it writes once into ``cache_dir``.
+
+    :param cache_dir: a writable directory for this hook (``<colibri cache>/demo``); a family that writes or
+        copies its checkpoint there must do so atomically (temporary directory renamed into place).
+    :param synthetic: ``True`` to ask for a random-weight model bigger than the demo's RAM budget.
+    :returns: a :class:`~colibri.records.DemoModel`, or ``None`` when the family has no demo model of that kind.
     """

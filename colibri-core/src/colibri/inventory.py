@@ -25,6 +25,14 @@ class ModelFacts:
     limits: Limits | None
     shard_sets: tuple[ShardSet, ...]
     tensors: TensorIndex
+    container: Any = None          # colibri.convert.container.Container for a colibri-quant container, else None
+
+    @property
+    def quant_schemes(self) -> tuple[str, ...]:
+        """The quantized schemes a container stores (sorted), () for a native checkpoint."""
+        if self.container is None:
+            return ()
+        return tuple(sorted({t.scheme for t in self.container.tensors.values() if t.quant is not None}))
 
 
 def family_answer(model: ResolvedModel, hook: str, **kwargs: Any) -> Any:
@@ -56,7 +64,28 @@ def load_facts(model: ResolvedModel) -> ModelFacts:
 
         raise ModelNotFoundError(f"{model.path}: no *.safetensors weights found",
                                  "point --model at a checkpoint directory with safetensors shards")
-    return ModelFacts(model, geometry, layout, limits, shard_sets, TensorIndex(shard_sets))
+    tensors = TensorIndex(shard_sets)
+    container = _container_of(model, tensors)
+    return ModelFacts(model, geometry, layout, limits, shard_sets, tensors, container)
+
+
+def _container_of(model: ResolvedModel, tensors: TensorIndex):
+    """Validate a colibri-quant container (ContainerError on a bad stamp) and re-key ``tensors`` by the source
+    names its scheme map states, so roles, expert bytes and plans see the model as the family describes it: a
+    quantized tensor is one entry of its logical shape whose byte range spans its levels and scales."""
+    from .convert.container import is_stamped, open_container
+
+    if not any(is_stamped(h) for h in tensors.headers):
+        return None
+    container = open_container(model.path)
+    if container is None:
+        return None
+    logical = {}
+    for t in container.tensors.values():
+        dtype = t.scheme if t.quant is not None else t.parts[0].dtype
+        logical[t.name] = TensorInfo(t.name, dtype, tuple(t.shape), t.file, t.begin, t.end)
+    tensors.tensors = logical
+    return container
 
 
 def _skipped(name: str, layout: TensorLayout | None) -> bool:

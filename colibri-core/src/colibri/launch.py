@@ -19,6 +19,55 @@ GIB = 1024 ** 3
 DEFAULT_CTX = 4096
 
 
+IO_MODES = ("auto", "direct", "buffered")
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """How experts are streamed: the machinery switches (speed only, never tokens) and the opt-in lossy knobs.
+
+    ``None`` for prefetch/pin means auto: on when the cache cannot hold every expert (the model does not fit),
+    off otherwise (with everything resident there is nothing to read ahead or protect)."""
+
+    prefetch: bool | None = None
+    pin: bool | None = None
+    io: str = "auto"
+    experts_k: int | None = None
+    experts_top_p: float | None = None
+    moe_union: bool = True
+
+    def lossy_label(self) -> str:
+        """"experts-k=4 experts-top-p=0.9" or "" (the label every stats line and API response carries)."""
+        parts = []
+        if self.experts_k:
+            parts.append(f"experts-k={self.experts_k}")
+        if self.experts_top_p is not None and self.experts_top_p < 1:
+            parts.append(f"experts-top-p={self.experts_top_p:g}")
+        return " ".join(parts)
+
+    def check(self) -> None:
+        if self.io not in IO_MODES:
+            raise UsageError(f"--io {self.io}: not a read mode", "pass --io auto, direct or buffered")
+        if self.experts_k is not None and self.experts_k < 1:
+            raise UsageError(f"--experts-k {self.experts_k}: must be at least 1", "for example --experts-k 4")
+        if self.experts_top_p is not None and not 0 < self.experts_top_p <= 1:
+            raise UsageError(f"--experts-top-p {self.experts_top_p:g}: must be in (0, 1]",
+                             "for example --experts-top-p 0.9")
+
+    def engine_args(self, partial_cache: bool) -> tuple[str, ...]:
+        def switch(value: bool | None) -> str:
+            return "on" if (partial_cache if value is None else value) else "off"
+
+        args = ["--prefetch", switch(self.prefetch), "--pin", switch(self.pin), "--io", self.io]
+        if not self.moe_union:
+            args += ["--moe-union", "off"]
+        if self.experts_k:
+            args += ["--experts-k", str(self.experts_k)]
+        if self.experts_top_p is not None and self.experts_top_p < 1:
+            args += ["--experts-top-p", repr(float(self.experts_top_p))]
+        return tuple(args)
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything needed to start (and to describe) one engine for one model."""
@@ -30,6 +79,7 @@ class LaunchSpec:
     threads: int
     argv: tuple[str, ...]
     env: Mapping[str, str]
+    streaming: Streaming = Streaming()
 
     @property
     def cap(self) -> int:
@@ -82,6 +132,34 @@ def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: i
                          f"pass --slots {min(max(slots, 1), limits.max_kv_slots)}")
 
 
+def check_container(facts: ModelFacts) -> None:
+    """A colibri-quant container runs only on an engine whose limits list every quantized scheme it stores."""
+    stored = facts.quant_schemes
+    supported = facts.limits.quant_schemes if facts.limits else ()
+    missing = [s for s in stored if s not in supported]
+    if missing:
+        model = facts.model
+        raise EngineError(f"{model.family} cannot run {model.path}: the container stores {', '.join(missing)} "
+                          f"weights and the {model.family} engine runs "
+                          f"{', '.join(supported) if supported else 'no quantized weights'}",
+                          "run the source checkpoint, or reconvert with schemes the family supports "
+                          "(coli families)")
+
+
+def staging_stages(top_k: int) -> int:
+    """Staging buffers of the engine's I/O pool (experts.c pool_size): two per routed expert of a token, one
+    for the layer's own misses and one for the next layer's predictions."""
+    return min(64, max(4, 2 * max(1, top_k)))
+
+
+def staging_slots(facts: ModelFacts, plan: ResourcePlan) -> int:
+    """Cache slots per layer that pay for the I/O pool's staging buffers, so prefetching stays in the budget."""
+    if plan.moe_layers < 1:
+        return 0
+    stages = staging_stages(facts.geometry.top_k or 1)
+    return -(-stages // plan.moe_layers)
+
+
 def default_ctx(facts: ModelFacts) -> int:
     """4096, or less when the model or its engine supports less (as ``coli plan`` chooses)."""
     bounds = [v for v in (facts.geometry.max_context, facts.limits.max_context if facts.limits else 0) if v]
@@ -105,11 +183,13 @@ def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None)
 
 
 def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | None = None, slots: int = 1,
-            cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None) -> LaunchSpec:
+            cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None,
+            streaming: Streaming | None = None) -> LaunchSpec:
     """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv."""
     facts = facts or load_facts(model)
     ctx = default_ctx(facts) if ctx is None else int(ctx)
     check_limits(model, facts.limits, ctx, slots)
+    check_container(facts)
     if cap is not None and cap < 0:
         raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")
     plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
@@ -118,9 +198,20 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")
     env: EngineEnv = family_answer(model, "build_env", plan=plan) or EngineEnv()
     threads = int(threads) if threads else default_threads()
+    streaming = streaming or Streaming()
+    streaming.check()
+    if streaming.lossy_label():
+        from .console import print_warning
+
+        print_warning(f"lossy routing ({streaming.lossy_label()}): tokens will differ from the model's own routing")
+    partial = 0 < plan.cache_slots_per_layer < plan.experts_per_layer
+    engine_cap = plan.cache_slots_per_layer
+    if partial and (streaming.prefetch is None or streaming.prefetch):
+        engine_cap = max(1, engine_cap - staging_slots(facts, plan))
     argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
-            "--cap", str(plan.cache_slots_per_layer), "--threads", str(threads), *env.args)
-    return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env))
+            "--cap", str(engine_cap), "--threads", str(threads),
+            *streaming.engine_args(partial), *env.args)
+    return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
 
 
 def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> Engine:

@@ -77,6 +77,10 @@ def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout:
         notes.append("no routed experts: the whole model is resident")
 
     cache = slots * slot_row
+    if 0 < slots < experts_per_layer:
+        notes.append(f"the cache is partial, so coli run/chat/serve stream by default: pinning keeps {slots // 2} "
+                     f"of {slots} slots per layer ({100 * (slots // 2) / slots:.0f}%) for the learned hot set, and "
+                     "the prefetch I/O pool's staging buffers take a slot per layer (--no-pin / --no-prefetch)")
     top_k = min(geometry.top_k, experts_per_layer) if geometry.top_k else experts_per_layer
     routed_per_token = top_k * expert_bytes * moe_layers
     bandwidth = float(request.disk_bandwidth)

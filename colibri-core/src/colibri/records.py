@@ -198,3 +198,20 @@ class ConverterSpec:
     expert_schemes: tuple[str, ...] = ("int8", "int4")
     dense_schemes: tuple[str, ...] = ("bf16", "int8", "int4")
     dense_matrices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A checkpoint ``coli demo`` can run (returned by ``demo_model``).
+
+    ``path`` is a complete checkpoint directory the family's engine runs; ``prompt`` is what the demo completes
+    by default; ``is_random`` says the weights are random (the demo then warns that the text is noise and ignores
+    stop tokens); ``cache_fraction`` is the share of each MoE layer's experts the demo's RAM budget caches, so a
+    run really streams experts from disk.
+    """
+
+    path: Path
+    description: str
+    prompt: str
+    is_random: bool = False
+    cache_fraction: float = 0.25

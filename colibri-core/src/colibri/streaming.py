@@ -68,6 +68,27 @@ def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> s
         parts.append(f"read {human_bytes(stats['bytes_read'])}")
     if "rss_bytes" in stats:
         parts.append(f"RSS {human_bytes(stats['rss_bytes'])}")
+    parts.extend(streaming_parts(stats))
     if stats.get("reason") == "cancelled":
         parts.append("cancelled")
     return " · ".join(parts)
+
+
+def streaming_parts(stats: dict[str, Any]) -> list[str]:
+    """The streaming switches in effect, where the time went, and any lossy routing (always shown)."""
+    parts = []
+    if "io" in stats:
+        switches = [f"io {stats['io']}", "prefetch " + ("on" if stats.get("prefetch") else "off"),
+                    "pin " + (f"on ({stats.get('pinned_experts', 0)} pinned)" if stats.get("pin") else "off")]
+        if stats.get("prefetch_issued"):
+            switches.append(f"prefetched {stats.get('prefetch_used', 0)}/{stats['prefetch_issued']} used")
+        if isinstance(stats.get("lookahead_recall"), (int, float)):
+            switches.append(f"lookahead recall {100 * float(stats['lookahead_recall']):.0f}%")
+        parts.append(", ".join(switches))
+    phases = [(name, stats.get(key)) for name, key in (("I/O wait", "io_wait_s"), ("experts", "expert_s"),
+                                                        ("attention", "attention_s"), ("other", "other_s"))]
+    if all(isinstance(v, (int, float)) for _, v in phases) and sum(v for _, v in phases) > 0:
+        parts.append("time: " + ", ".join(f"{name} {v:.2f}s" for name, v in phases))
+    if stats.get("lossy"):
+        parts.append(f"LOSSY routing: {stats['lossy']}")
+    return parts

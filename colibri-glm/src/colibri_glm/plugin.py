@@ -166,9 +166,14 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
+# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
+QUANT_SCHEMES = ("int8-row", "int4-g64")
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.config), has_engine=True)
+    return Limits(max_context=configs.max_context(model.config), has_engine=True,
+                  quant_schemes=QUANT_SCHEMES)
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "glm.c"

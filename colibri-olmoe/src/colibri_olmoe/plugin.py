@@ -13,13 +13,15 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    Claim, DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
     TensorLayout,
 )
 
 FAMILY = "olmoe"
 MODEL_TYPES = ("olmoe",)
 F32 = 4  # the engine keeps its KV cache in f32
+NANO_DIR = Path(__file__).parent / "nano"    # colibri-nano, trained by training/train_nano.py (package data)
+DEMO_PROMPT = "def fibonacci(n):"
 
 
 @hookimpl
@@ -99,9 +101,14 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         routers=tuple(routers), experts=tuple(experts), required=tuple(required))
 
 
+# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
+QUANT_SCHEMES = ("int8-row", "int4-g64")
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.text_config), has_engine=True)
+    return Limits(max_context=configs.max_context(model.text_config), has_engine=True,
+                  quant_schemes=QUANT_SCHEMES)
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "olmoe.c"
@@ -153,3 +160,26 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
 @hookimpl
 def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
     return EngineEnv(args=engine_hparams(model))
+
+
+def synthetic_spec():
+    """The shape of ``coli demo --synthetic``'s model (a function so tests can swap in a tiny one)."""
+    from .synthetic import DemoSpec
+
+    return DemoSpec()
+
+
+@hookimpl
+def demo_model(cache_dir: Path, synthetic: bool) -> DemoModel | None:
+    if synthetic:
+        from .synthetic import ensure_checkpoint
+
+        spec = synthetic_spec()
+        path, _ = ensure_checkpoint(cache_dir, spec)
+        return DemoModel(path, f"a synthetic OLMoE-architecture model with RANDOM weights "
+                               f"(~{spec.total_bytes / 1e6:.0f} MB, written once)", DEMO_PROMPT, is_random=True)
+    if not (NANO_DIR / "config.json").exists():
+        return None
+    # The engine only reads the checkpoint, so the package directory is run in place (no copy).
+    return DemoModel(NANO_DIR, "colibri-nano, a small OLMoE trained on the Python standard library "
+                               "(bundled with colibri-olmoe)", DEMO_PROMPT, is_random=False)

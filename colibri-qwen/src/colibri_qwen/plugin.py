@@ -88,7 +88,9 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     if r["hybrid"]:
         conv_dim = 2 * r["lin_k_heads"] * r["lin_k_dim"] + r["lin_v_heads"] * r["lin_v_dim"]
         per_layer = conv_dim * (r["conv_kernel"] - 1) * F32 + r["lin_v_heads"] * r["lin_k_dim"] * r["lin_v_dim"] * F32
-        state = per_layer * (r["layers"] - len(full_layers))
+        # x 2: the engine checkpoints each slot's state at the end of every prompt, so a chat turn whose reply
+        # re-tokenizes differently can still resume from the history before it.
+        state = 2 * per_layer * (r["layers"] - len(full_layers))
         notes.append(("layers", f"{r['layers'] - len(full_layers)} Gated DeltaNet + {len(full_layers)} full attention"))
     rope = configs.rope(cfg)
     # Qwen3.5 always renormalises the top-k weights (its config has no switch); the others follow the flag, whose
@@ -171,9 +173,14 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped)
 
 
+# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
+QUANT_SCHEMES = ("int8-row", "int4-g64")
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=True)
+    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=True,
+                  quant_schemes=QUANT_SCHEMES)
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "qwen.c"

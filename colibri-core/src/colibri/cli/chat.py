@@ -11,7 +11,8 @@ from ..console import print_error, print_warning
 from ..errors import ColibriError
 from ..model import resolve_model
 from ._app import app
-from .options import FamilyOption, ModelOption
+from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
+                      IoOption, PinOption, PrefetchOption, streaming_options)
 
 DEFAULT_MAX_TOKENS = 1024
 HELP_TEXT = ('commands: /reset (new conversation), /stats (token reuse and speed), /exit; '
@@ -70,6 +71,11 @@ def chat_command(
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: random)."),
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
+    prefetch: Optional[bool] = PrefetchOption,
+    pin: Optional[bool] = PinOption,
+    io: str = IoOption,
+    experts_k: Optional[int] = ExpertsKOption,
+    experts_top_p: Optional[float] = ExpertsTopPOption,
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
 ) -> None:
@@ -87,7 +93,8 @@ def chat_command(
     resolved = resolve_model(model, family)
     tok = family_answer(resolved, "load_tokenizer")
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
-    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads)
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
+                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
 

@@ -8,10 +8,9 @@ from typing import Optional
 import typer
 
 from ..console import print_pairs
-from ..errors import EngineError, UsageError
+from ..errors import UsageError
 from ._app import app
 
-DEMO_PROMPT = "def fibonacci(n):"
 DEMO_CTX = 1024
 GIB = 1024 ** 3
 
@@ -37,15 +36,18 @@ def demo_command(
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB (default: the "
                                         "budget whose expert cache holds a quarter of the experts)."),
     tokens: int = typer.Option(48, "--tokens", "-n", help="Tokens to generate."),
-    prompt: str = typer.Option(DEMO_PROMPT, "--prompt", help="Prompt text (the model is random: any will do)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (default: the demo model's own, "
+                                         "e.g. 'def fibonacci(n):')."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="Run a bigger random-weight model instead of the "
+                                   "bundled trained one (written once to the cache; its text is noise)."),
 ) -> None:
-    """Build (once) a synthetic OLMoE-architecture model bigger than a small RAM budget and run it, streaming
-    experts from disk. The weights are random, so the text is noise: the point is the mechanics and the numbers."""
-    from .. import launch, plugins
+    """Run a small bundled MoE under a RAM budget smaller than its experts, streaming experts from disk, and show
+    the numbers (budget, hit rate, bytes read). Nothing to download; --synthetic runs a bigger random model."""
+    from .. import launch
     from ..console import human_bytes
-    from ..demo import DemoSpec, budget_for_cache_fraction, ensure_checkpoint, is_built
+    from ..demo import budget_for_cache_fraction, find_demo_model
     from ..inventory import family_answer, load_facts
     from ..model import resolve_model
     from ..prompt import choose_sampling
@@ -53,30 +55,31 @@ def demo_command(
 
     if tokens < 1:
         raise UsageError(f"--tokens {tokens}: must be at least 1", "for example --tokens 48")
-    olmoe = plugins.families().get("olmoe")
-    if olmoe is None or olmoe.error:
-        why = f" ({olmoe.error})" if olmoe is not None else ""
-        raise EngineError(f"coli demo runs the OLMoE engine, and the olmoe family is not available{why}",
-                          "pip install colibri-olmoe (or ./colibri-olmoe from a checkout)")
-    spec = DemoSpec()
-    if is_built(spec):
-        path, _ = ensure_checkpoint(spec)
+    if synthetic:
+        with _spinner("preparing the synthetic demo checkpoint (written once, random weights)"):
+            offered = find_demo_model(synthetic=True)
     else:
-        with _spinner(f"writing the synthetic demo checkpoint once (~{spec.total_bytes / 1e6:.0f} MB, "
-                      "random weights)"):
-            path, _ = ensure_checkpoint(spec)
-    model = resolve_model(path, family="olmoe")
+        offered = find_demo_model(synthetic=False)
+    path = offered.path
+    prompt = offered.prompt if prompt is None else prompt
+    model = resolve_model(path)
     facts = load_facts(model)
-    ram_bytes = budget_for_cache_fraction(facts, DEMO_CTX) if ram is None else None
+    ram_bytes = budget_for_cache_fraction(facts, DEMO_CTX, offered.cache_fraction) if ram is None else None
     launch_spec = launch.prepare(model, ram_gib=ram if ram is not None else ram_bytes / GIB, ctx=DEMO_CTX,
                                  threads=threads, facts=facts)
     plan = launch_spec.plan
     tok = family_answer(model, "load_tokenizer")
     on_disk = facts.tensors.total_bytes
     experts_total = plan.experts_per_layer * plan.moe_layers
+    routed_total = plan.expert_bytes * experts_total
 
-    _write("colibri demo: a synthetic OLMoE-architecture model with RANDOM weights. The text it writes is noise;\n"
-           "what is real is that the model is bigger than the RAM budget and runs anyway, streaming experts.\n\n")
+    if offered.is_random:
+        _write(f"colibri demo: {offered.description}. The text it writes is noise;\n"
+               "what is real is that the model is bigger than the RAM budget and runs anyway, streaming experts.\n\n")
+    else:
+        _write(f"colibri demo: {offered.description}.\n"
+               "Its routed experts do not all fit the RAM budget below: each token's experts are streamed from "
+               "disk on a cache miss.\n\n")
     print_pairs([
         ("checkpoint", f"{path} ({human_bytes(on_disk)} of weights, {experts_total} routed experts of "
                        f"{human_bytes(plan.expert_bytes)})"),
@@ -86,26 +89,30 @@ def demo_command(
                      f"reserve {human_bytes(plan.reserve_bytes)}"),
         ("expert cache", f"{plan.cache_slots_per_layer} of {plan.experts_per_layer} experts per layer "
                          f"({100 * plan.cache_slots_per_layer / max(1, plan.experts_per_layer):.0f}%, "
-                         f"{human_bytes(plan.cache_bytes)}); every miss is read from disk"),
+                         f"{human_bytes(plan.cache_bytes)} of {human_bytes(routed_total)} of experts); "
+                         "every miss is read from disk"),
     ])
     _write("\n")
     sampling = choose_sampling(path, None, None, None, seed)
     ids = tok.encode(prompt)
+    # A random model emits its end-of-text token by chance and the point there is the numbers: no stop tokens.
+    stop = () if offered.is_random else tuple(tok.stop_ids)
     with launch.start(launch_spec) as engine:
         _write(prompt)
-        # No stop tokens: a random model emits its end-of-text token by chance, and the demo is about the numbers.
         reply = stream_reply(engine, tok, ids, write=_write, max_tokens=min(tokens, DEMO_CTX - len(ids)),
-                             **sampling.as_request())
+                             stop=stop, **sampling.as_request())
     s = reply.stats
     _write("\n\n")
-    print_pairs([
+    rows = [
         ("stats", stats_line(s, reply.accept)),
         ("streamed", f"{human_bytes(s.get('bytes_read', 0))} of experts read from disk in {s.get('reads', 0)} reads "
                      f"(hit rate {100 * float(s.get('hit_rate', 0)):.1f}%: {s.get('expert_hits', 0)} hits, "
                      f"{s.get('expert_misses', 0)} misses)"),
         ("engine RSS", f"{human_bytes(s.get('rss_bytes', 0))} for a {human_bytes(on_disk)} model "
                        f"under a {human_bytes(plan.ram_bytes)} budget"),
-        ("reminder", "random weights: the text above is noise by construction"),
-    ])
+    ]
+    if offered.is_random:
+        rows.append(("reminder", "random weights: the text above is noise by construction"))
+    print_pairs(rows)
     if reply.interrupted:
         raise SystemExit(130)  # 128 + SIGINT, as a shell reports an interrupted command

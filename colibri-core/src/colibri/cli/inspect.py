@@ -74,6 +74,9 @@ def info_data(facts: ModelFacts) -> dict[str, Any]:
                   "total": inv.loaded_bytes + inv.skipped_bytes},
         "dtypes": dict(sorted(inv.dtypes.items())),
         "files": len(facts.tensors.headers),
+        "container": (None if facts.container is None else
+                      {"format": "colibri-quant", "version": facts.container.version,
+                       "quant_schemes": list(facts.quant_schemes)}),
         "tensors": len(facts.tensors),
     }
 
@@ -110,6 +113,10 @@ def info_command(model: str | None = ModelOption, family: str | None = FamilyOpt
                          f"{human_bytes(b['routed_experts'])}, embeddings {human_bytes(b['embeddings'])}"),
              ("dtypes", ", ".join(f"{k} x{v}" for k, v in data["dtypes"].items())),
              ("files", f"{data['files']} shard(s), {data['tensors']} tensors")]
+    if data["container"]:
+        c = data["container"]
+        rows.append(("format", f"colibri-quant container v{c['version']} "
+                               f"({', '.join(c['quant_schemes']) or 'no quantized tensors'})"))
     print_pairs(rows)
 
 

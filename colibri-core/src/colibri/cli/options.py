@@ -14,3 +14,34 @@ FamilyOption = typer.Option(
     None, "--family", metavar="NAME", help="Family to use when several installed families claim the model.",
 )
 JsonOption = typer.Option(False, "--json", help="Print machine-readable JSON instead of text.")
+
+# Expert streaming (colibri/launch.py Streaming): the switches change speed only, never a token.
+PrefetchOption = typer.Option(
+    None, "--prefetch/--no-prefetch",
+    help="Read missing experts on I/O threads while resident ones compute, plus router lookahead "
+         "(default: on when the expert cache cannot hold every expert).",
+)
+PinOption = typer.Option(
+    None, "--pin/--no-pin",
+    help="Pin the most-routed experts (learned hot set, saved next to the model) in half the cache "
+         "(default: on when the expert cache cannot hold every expert).",
+)
+IoOption = typer.Option(
+    "auto", "--io", metavar="auto|direct|buffered",
+    help="Expert reads: O_DIRECT (probed per disk, buffered where refused) or buffered with readahead off; auto "
+         "picks direct when the cache cannot hold every expert.",
+)
+ExpertsKOption = typer.Option(
+    None, "--experts-k", metavar="K", help="LOSSY: run at most K routed experts per token (fewer than the model's).",
+)
+ExpertsTopPOption = typer.Option(
+    None, "--experts-top-p", metavar="P",
+    help="LOSSY: run only the fewest experts whose routing weight reaches the share P of the token's total.",
+)
+
+
+def streaming_options(prefetch, pin, io, experts_k, experts_top_p):
+    """The Streaming record of the shared flags above."""
+    from ..launch import Streaming
+
+    return Streaming(prefetch=prefetch, pin=pin, io=io, experts_k=experts_k, experts_top_p=experts_top_p)

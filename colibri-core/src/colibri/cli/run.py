@@ -12,7 +12,8 @@ from ..console import emit_json, print_warning
 from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
-from .options import FamilyOption, JsonOption, ModelOption
+from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
+                      IoOption, PinOption, PrefetchOption, streaming_options)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -37,6 +38,11 @@ def run_command(
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB",
                                         help="RAM budget in GiB (default: what the machine has available)."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
+    prefetch: Optional[bool] = PrefetchOption,
+    pin: Optional[bool] = PinOption,
+    io: str = IoOption,
+    experts_k: Optional[int] = ExpertsKOption,
+    experts_top_p: Optional[float] = ExpertsTopPOption,
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default 4096 or the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw", help="Wrap the prompt in the checkpoint's chat "
@@ -64,7 +70,8 @@ def run_command(
     if built.notice:
         print_warning(built.notice)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
-    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads)
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
+                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
     asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx)
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context

@@ -5,6 +5,8 @@ Safe by default: it binds 127.0.0.1, and refuses any other address unless an API
 
 from __future__ import annotations
 
+from typing import Optional
+
 import ipaddress
 import logging
 import socket
@@ -23,7 +25,8 @@ from ..server.config import (
     DEFAULT_QUEUE_TIMEOUT_S,
 )
 from ._app import app
-from .options import FamilyOption, ModelOption
+from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
+                      IoOption, PinOption, PrefetchOption, streaming_options)
 
 _SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2}
 
@@ -95,6 +98,11 @@ def serve_command(
                                         "available)."),
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
                                       "default: from the RAM plan)."),
+    prefetch: Optional[bool] = PrefetchOption,
+    pin: Optional[bool] = PinOption,
+    io: str = IoOption,
+    experts_k: Optional[int] = ExpertsKOption,
+    experts_top_p: Optional[float] = ExpertsTopPOption,
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
     cors_origin: list[str] | None = typer.Option(  # noqa: B008
         None, "--cors-origin", metavar="ORIGIN",
@@ -130,7 +138,8 @@ def serve_command(
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
-    spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads)
+    spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
+                   streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
     sock = bind_socket(host, port)
 
     import uvicorn

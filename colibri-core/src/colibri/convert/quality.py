@@ -13,6 +13,7 @@ Engines are duck-typed (``submit(prompt, logits=, forced=, max_tokens=, temperat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -114,8 +115,26 @@ def measure(reference_engine: Any, candidate_engine: Any, texts: Sequence[Sequen
     return merge(reports)
 
 
+QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
+
+
+def default_text() -> str:
+    """The fixed, offline passage ``coli bench quality`` teacher-forces when no --text-file is given."""
+    return QUALITY_TEXT.read_text(encoding="utf-8")
+
+
+def token_window(ids: Sequence[int], positions: int, where: str) -> list[int]:
+    """The first ``positions + 1`` ids (``positions`` next-token predictions); refuses a text too short."""
+    if positions < 1:
+        raise UsageError(f"--positions {positions}: must be at least 1", "for example --positions 512")
+    if len(ids) < positions + 1:
+        raise UsageError(f"quality: {where} tokenizes to {len(ids)} tokens, {positions + 1} are needed for "
+                         f"--positions {positions}", f"pass --positions {max(1, len(ids) - 1)} or a longer --text-file")
+    return [int(t) for t in ids[:positions + 1]]
+
+
 def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fraction: float = 1.0,
-                **engine_options: Any) -> QualityReport:
+                positions: int | None = None, **engine_options: Any) -> QualityReport:
     """``coli bench quality``: tokenize ``texts`` with the reference's tokenizer, run each model's engine in turn
     (one at a time, so peak RAM is one model's), and compare. ``candidate``/``reference`` are ResolvedModels;
     ``engine_options`` go to ``colibri.launch.open_engine`` (ram_gib, ctx, threads, ...).
@@ -130,8 +149,12 @@ def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fr
 
     tokenizer = plugins.family_hook(reference.family, "load_tokenizer")(model=reference)
     ids = [tokenizer.encode(t) for t in texts]
+    if positions is not None:
+        ids = [token_window(x, positions, f"text {i + 1}") for i, x in enumerate(ids)]
     if any(len(x) < 2 for x in ids):
         raise UsageError("quality: every text must tokenize to at least 2 tokens")
+    # Every position's logits come from one prompt, so the context must hold the longest text.
+    engine_options.setdefault("ctx", max(len(x) for x in ids))
     prefills = [max(1, int(len(x) * prefill_fraction)) for x in ids]
     logits: dict[str, list[np.ndarray]] = {}
     for label, model in (("reference", reference), ("candidate", candidate)):

@@ -1,5 +1,6 @@
 /* blocks.c: see blocks.h. */
 #include "blocks.h"
+#include "qlinear.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -10,6 +11,14 @@
 
 int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
                    char *err, size_t errlen) {
+    memset(l, 0, sizeof *l);
+    int qrc = cb_qlinear_load(&l->w, &l->q, idx, name, rows, cols, bytes, err, errlen);
+    if (qrc <= 0) {   /* loaded quantized from a container, or refused */
+        l->quantized = qrc == 0;
+        l->rows = rows;
+        l->cols = cols;
+        return qrc;
+    }
     int64_t dims[2] = {rows, cols};
     const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
     if (!t) return -1;
@@ -54,12 +63,35 @@ void cb_linear_free(cb_linear *l) {
     l->w = NULL;
 }
 
+int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
+    if (!l->quantized) return 0;
+    float *w = malloc((size_t)l->rows * (size_t)l->cols * sizeof(float) + 1);
+    if (!w) {
+        snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", l->rows, l->cols);
+        return -1;
+    }
+    for (int r = 0; r < l->rows; r++) cb_qdequant_row(w + (size_t)r * (size_t)l->cols, &l->q, r);
+    free(l->w);
+    l->w = w;
+    l->dt = CB_F32;
+    l->quantized = 0;
+    return 0;
+}
+
 void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) {
+    if (l->quantized) {
+        cb_qlinear_apply(&l->q, Y, X, n);
+        return;
+    }
     if (n == 1) cb_matvec(Y, l->w, l->dt, X, l->rows, l->cols);
     else cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
 }
 
 void cb_embed(float *out, const cb_linear *emb, int token) {
+    if (emb->quantized) {   /* dequantized per row: level * scale is exact in f32 */
+        cb_qdequant_row(out, &emb->q, token);
+        return;
+    }
     size_t row = (size_t)token * (size_t)emb->cols;
     to_f32(out, (const char *)emb->w + row * cb_dtype_size(emb->dt), emb->dt, (size_t)emb->cols);
 }
@@ -394,6 +426,14 @@ static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, siz
     cb_expert_view ex;
     if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
     double t0 = cb_now_s();
+    if (ex.quantized) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
+        if (cb_qexpert_run(m->down, m->gate, m->up, &ex, m->rows, rows, err, errlen)) return -1;
+        for (int r = 0; r < rows; r++)
+            memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
+                   (size_t)H * sizeof(float));
+        cb_prof.expert_s += cb_now_s() - t0;
+        return 0;
+    }
     for (int r = 0; r < rows; r++)
         memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
     if (rows == 1) {
@@ -429,6 +469,10 @@ static int gather_rows(cb_moe *m, int e, int r0, int r1) {
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
     int E = m->n_experts, K = m->top_k, H = m->hidden;
     trim_choices(m, n);
+    if (m->store.n_experts && m->store.loc[0].quantized && cb_qexperts_begin(x, n, H)) {
+        snprintf(err, errlen, "out of memory quantizing the layer %d MoE input", m->store.layer);
+        return -1;
+    }
     memset(m->n_rows, 0, (size_t)E * sizeof(int));
     for (size_t j = 0; j < (size_t)n * (size_t)K; j++)
         if (m->chosen[j] >= 0) m->n_rows[m->chosen[j]]++;

@@ -12,15 +12,20 @@
 #include "engine.h"
 #include "experts.h"
 #include "kernels.h"
+#include "quant.h"
 #include "safetensors.h"
 
 /* ---- weights ---- */
 
-/* A row-major weight matrix [rows, cols] kept in its stored dtype. */
+/* A row-major weight matrix [rows, cols] kept in its stored dtype, or, from a colibri-quant container, as
+ * int8/int4 levels + scales (quantized = 1: q describes the matrix, w owns its bytes, dt is meaningless and
+ * cb_linear_apply / cb_embed go through the integer kernels of qlinear.h). */
 typedef struct {
     void *w;
     cb_dtype dt;
     int rows, cols;
+    int quantized;
+    cb_qmatrix q;
 } cb_linear;
 
 /* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. */
@@ -30,6 +35,9 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);
 void cb_linear_free(cb_linear *l);
+/* Turn a quantized linear into an F32 one holding level * scale exactly (a no-op for a float one), for the
+ * blocks that read weights directly instead of through cb_linear_apply (MLA's absorbed kv_b). 0 or -1. */
+int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);
 
 /* Y[i] = W X[i] for n rows (X: n x cols, Y: n x rows). */
 void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n);

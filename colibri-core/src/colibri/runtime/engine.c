@@ -37,6 +37,8 @@ typedef struct {
     int *stop, n_stop;
     int *forced, n_forced;
     int pending;               /* the token the next decode step feeds */
+    float *snap;               /* recurrent state checkpoint at the end of the last prefilled prompt */
+    int snap_pos;              /* tokens it covers; 0 = none */
     cb_sampler sampler;
     double prefill_s, decode_s;
     int decode_steps;
@@ -255,6 +257,10 @@ static int step(engine_t *E, slot_t *s, char *err) {
         s->prefill_s += now_s() - t0;
         s->next += n;
         E->prefilled_total += (uint64_t)n;
+        if (s->kv.state && s->next == s->prompt_len) {
+            memcpy(s->snap, s->kv.state, E->info.state_bytes);
+            s->snap_pos = s->n_tokens;
+        }
         if (s->want_logits) {
             for (int i = 0; i < n; i++) {
                 cb_buf *b = &E->out;
@@ -423,9 +429,19 @@ static void do_submit(engine_t *E, cb_json *req) {
     /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits. */
     int reuse = 0;
     while (reuse < s->n_tokens && reuse < n_prompt - 1 && s->tokens[reuse] == prompt[reuse]) reuse++;
-    /* A recurrent state cannot be rewound: keep it only when it covers exactly the reused tokens. */
-    if (s->kv.state && reuse < s->n_tokens) reuse = 0;
+    /* A recurrent state cannot be rewound. Keep it when it covers exactly the reused tokens, else go back to the
+     * checkpoint taken after the last prompt (a chat turn whose re-tokenized reply differs from the sampled
+     * tokens still reuses the history before it), else start from the empty state. */
+    if (s->kv.state && reuse < s->n_tokens) {
+        if (s->snap_pos > 0 && s->snap_pos <= reuse) {
+            memcpy(s->kv.state, s->snap, E->info.state_bytes);
+            reuse = s->snap_pos;
+        } else {
+            reuse = 0;
+        }
+    }
     if (s->kv.state && reuse == 0) memset(s->kv.state, 0, E->info.state_bytes);
+    if (s->snap_pos > reuse) s->snap_pos = 0;    /* the tokens it covered are about to be overwritten */
     s->n_tokens = reuse;
     s->id = id;
     s->prompt = prompt;
@@ -686,7 +702,9 @@ static int alloc_slots(engine_t *E, char *err) {
         s->kv.k = calloc(per ? per : 1, sizeof(float));
         s->kv.v = E->info.kv_k_only ? NULL : calloc(per ? per : 1, sizeof(float));
         s->tokens = malloc((size_t)E->ctx * sizeof(int));
-        if (E->info.state_bytes && !(s->kv.state = calloc(1, E->info.state_bytes))) goto oom;
+        if (E->info.state_bytes &&
+            (!(s->kv.state = calloc(1, E->info.state_bytes)) || !(s->snap = malloc(E->info.state_bytes))))
+            goto oom;
         if (!s->kv.k || (!s->kv.v && !E->info.kv_k_only) || !s->tokens) goto oom;
     }
     E->logits = malloc((size_t)PREFILL_CHUNK * (size_t)E->info.vocab * sizeof(float));
@@ -706,6 +724,7 @@ static void free_engine(engine_t *E) {
             free(E->slots[i].kv.v);
             free(E->slots[i].tokens);
             free(E->slots[i].kv.state);
+            free(E->slots[i].snap);
         }
     free(E->slots);
     free(E->logits);
@@ -764,8 +783,8 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     cb_buf_printf(&E.out, ",\"vocab\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,\"isa\":\"%s\","
                           "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"state_bytes\":%zu,\"expert_cache_bytes\":%zu",
                   E.info.vocab, E.ctx, E.n_slots, E.cap, cb_threads_count(), cb_isa_name(cb_get_isa()),
-                  E.info.dense_bytes, kv_bytes, (size_t)E.n_slots * E.info.state_bytes, E.info.expert_cache_bytes);
-    cb_buf_puts(&E.out, ",\"hotset\":");
+                  E.info.dense_bytes, kv_bytes, (size_t)E.n_slots * 2 * E.info.state_bytes, E.info.expert_cache_bytes);
+    cb_buf_printf(&E.out, ",\"staging_bytes\":%zu,\"hotset\":", cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
     cb_buf_puts(&E.out, "}");

@@ -63,8 +63,9 @@ typedef struct {
     int n_layers, kv_dim;      /* KV geometry per slot */
     int kv_k_only;             /* 1: one row of kv_dim floats per token and layer and no V cache (MLA keeps its
                                 * compressed latent there); cb_kv.v is then NULL */
-    size_t state_bytes;        /* per-slot recurrent state (linear attention), zeroed = the empty sequence; with
-                                * it, a slot's prefix is reused only when it is a prefix of the new prompt */
+    size_t state_bytes;        /* per-slot recurrent state (linear attention), zeroed = the empty sequence. The
+                                * runtime keeps a second copy per slot, checkpointed at the end of each prompt;
+                                * a slot's prefix is reused only up to the live state or that checkpoint */
     size_t dense_bytes;
     size_t expert_cache_bytes;
     int n_expert_layers;

@@ -2,6 +2,7 @@
  * sidecar are in the sections below it. */
 #define _GNU_SOURCE
 #include "experts.h"
+#include "qlinear.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -212,8 +213,21 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->pin_budget = cb_stream.pin && L->cap < n_experts ? L->cap / 2 : 0;
     for (int e = 0; e < n_experts; e++) L->slot_of[e] = -1;
     for (int s = 0; s < L->cap; s++) L->expert_in[s] = -1;
+    const cb_qcontainer *qc;
+    if (cb_qc_of(idx, &qc, err, errlen)) {
+        cb_experts_free(L);
+        return -1;
+    }
     for (int e = 0; e < n_experts; e++) {
         cb_expert_location *loc = &L->loc[e];
+        if (qc) {   /* colibri-quant container: each expert is one span by construction (qlinear.c) */
+            if (cb_qexperts_locate(qc, names, layer, e, hidden, inter, loc, err, errlen)) {
+                cb_experts_free(L);
+                return -1;
+            }
+            if (loc->span_bytes > L->slot_bytes) L->slot_bytes = (size_t)loc->span_bytes;
+            continue;
+        }
         const cb_tensor *t[3];
         for (int m = 0; m < 3; m++) {
             char name[512];
@@ -554,6 +568,7 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         view->w[m] = (const char *)L->buf[s] + L->data_off[s] + L->loc[e].rel[m];
         view->dt[m] = L->loc[e].dt[m];
     }
+    cb_qexperts_view(&L->loc[e], (const char *)L->buf[s] + L->data_off[s], view);
     return 0;
 }
 
@@ -606,7 +621,8 @@ static void repin_layer(cb_expert_layer *L) {
     }
 }
 
-/* FNV-1a over every shard's name and JSON header: the sidecar belongs to exactly this checkpoint. */
+/* FNV-1a over every shard's name, JSON header and first and last 4 KiB of data: the header alone would match
+ * any checkpoint of the same architecture (a fine-tune routes differently), the sampled bytes tell them apart. */
 static uint64_t model_key(const cb_st_index *idx) {
     uint64_t h = 1469598103934665603ULL;
     for (int i = 0; i < idx->n_shards; i++) {
@@ -622,6 +638,14 @@ static uint64_t model_key(const cb_st_index *idx) {
         if (hdr && pread(idx->fds[i], hdr, hlen, 8) == (ssize_t)hlen)
             for (uint64_t k = 0; k < hlen; k++) h = (h ^ (unsigned char)hdr[k]) * 1099511628211ULL;
         free(hdr);
+        unsigned char sample[4096];
+        off_t end = lseek(idx->fds[i], 0, SEEK_END);
+        off_t at[2] = {(off_t)(8 + hlen), end - (off_t)sizeof sample};
+        for (int k = 0; k < 2; k++) {
+            if (at[k] < (off_t)(8 + hlen)) at[k] = (off_t)(8 + hlen);
+            ssize_t got = pread(idx->fds[i], sample, sizeof sample, at[k]);
+            for (ssize_t b = 0; b < got; b++) h = (h ^ sample[b]) * 1099511628211ULL;
+        }
     }
     return h;
 }

@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qcontainer.h"
+#include "quant.h"
 #include "safetensors.h"
 
 enum { CB_GATE = 0, CB_UP = 1, CB_DOWN = 2 };
@@ -27,6 +29,8 @@ enum { CB_GATE = 0, CB_UP = 1, CB_DOWN = 2 };
 typedef struct {
     const void *w[3];
     cb_dtype dt[3];
+    int quantized;             /* colibri-quant expert: q[] holds the matrices (qlinear.h), w/dt are unused */
+    cb_qmatrix q[3];
 } cb_expert_view;
 
 typedef struct {
@@ -36,6 +40,9 @@ typedef struct {
     uint64_t offset[3], nbytes[3];
     size_t rel[3];             /* where each matrix starts inside the slot buffer */
     cb_dtype dt[3];
+    int quantized;             /* colibri-quant: located by cb_qexperts_locate, always one read */
+    const cb_qc_entry *qe[3];  /* the container entries of gate, up, down */
+    size_t rel_scales[3];      /* where each matrix's scales start inside the slot buffer (rel[] = levels) */
 } cb_expert_location;
 
 typedef struct {

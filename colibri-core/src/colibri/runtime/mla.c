@@ -48,6 +48,7 @@ int cb_mla_init(cb_mla *m, const cb_st_index *idx, const char *prefix, const cb_
                               errlen) ||
                      load_vec(&m->bo, idx, prefix, "o_proj.bias", s->hidden, bytes, err, errlen))))
         goto fail;
+    if (cb_linear_dequantize(&m->kv_b, err, errlen)) goto fail;   /* read directly below, so float */
     /* The absorbed query needs W_UK^T rows; a transposed copy in the stored dtype keeps every dot contiguous. */
     size_t es = cb_dtype_size(m->kv_b.dt), per_head = (size_t)s->kv_lora * (size_t)s->nope;
     m->wk_dt = m->kv_b.dt;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "json.h"
+#include "qlinear.h"
 
 #define MAX_HEADER_BYTES (100u * 1024u * 1024u)
 
@@ -354,6 +355,7 @@ int cb_st_open(cb_st_index *idx, const char *model_dir, char *err, size_t errlen
 }
 
 void cb_st_close(cb_st_index *idx) {
+    cb_qc_release(idx);
     for (int i = 0; i < idx->n_shards; i++) {
         if (idx->fds[i] >= 0) close(idx->fds[i]);
         free(idx->shard_paths[i]);

@@ -33,6 +33,8 @@ typedef struct {
     cb_tensor *tensors;
     int *table;                /* open-addressing hash of tensor names -> index, size table_size */
     int table_size;
+    void *quant;               /* qlinear.c's memo: the colibri-quant container (cb_qcontainer), a native marker,
+                                * or NULL before anyone asked (cb_qc_of) */
 } cb_st_index;
 
 /* Open model_dir/model.safetensors.index.json (its weight_map's shards) or else every *.safetensors in the

@@ -1,0 +1,44 @@
+/* qwen_blocks_common.h: the check macro, a seeded generator and random f32 arrays shared by the block tests
+ * (test_deltanet.c, test_gqa.c, test_mlp.c). */
+#ifndef QWEN_BLOCKS_COMMON_H
+#define QWEN_BLOCKS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int failures, checks;
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        checks++;                                                          \
+        if (!(cond)) {                                                     \
+            failures++;                                                    \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, "\n");                                         \
+        }                                                                  \
+    } while (0)
+
+static uint64_t rng_state = 88172645463325252ULL;
+static double uniform(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / 9007199254740992.0;
+}
+
+/* n floats uniform in [-scale, scale] (+ offset), malloc'ed. */
+static float *rand_floats(size_t n, float scale, float offset) {
+    float *x = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = offset + scale * (float)(2.0 * uniform() - 1.0);
+    return x;
+}
+
+static double max_abs_diff(const float *a, const double *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i] - b[i]));
+    return m;
+}
+
+#endif
