@@ -111,3 +111,14 @@ def convert_slow(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *PYTEST_ARGS, "-s", *session.posargs,
                 "colibri-core/tests/test_convert_slow.py", env={**TEST_ENV, "COLIBRI_SLOW_TESTS": "1"},
                 success_codes=[0])
+
+
+@nox.session
+def routing_study(session: nox.Session) -> None:
+    """colibri-nano's routing on held-out text: per-layer expert popularity, token-to-token reuse, and hit rate vs
+    cache size (LRU and pinned, simulated and measured by the engine); writes its section of docs/benchmarks.md
+    and docs/routing-study.png."""
+    install_everything(session)
+    session.install("matplotlib")
+    session.run("python", str(ROOT / "colibri-olmoe" / "training" / "routing_study.py"), *session.posargs,
+                env=TEST_ENV)

@@ -2,10 +2,11 @@
 experts, driven through the installed ``coli run`` exactly as a user would.
 
 The checkpoint is written by ``coli demo --synthetic``'s torch-free writer (``colibri_olmoe.synthetic``;
-N(0, 1/fan_in) weights, a real BPE tokenizer), once per session. The budget comes from the planner (``demo.budget_for_cache_fraction``), not from a hard-coded
-number, and the engine's counters must tell a story consistent with that cache: every expert access is a hit or a
-miss whatever the cache size, every miss is exactly one contiguous read of one expert's bytes, the all-experts
-run reads each expert at most once, and the tokens do not change.
+N(0, 1/fan_in) weights, a real BPE tokenizer), once per session. The budget comes from the planner
+(``demo.budget_for_cache_fraction``), not from a hard-coded number, and the engine's counters must tell a story
+consistent with that cache: every expert access is a hit or a miss whatever the cache size, every miss is exactly
+one contiguous read of one expert's bytes, the all-experts run reads each expert at most once, and the tokens do
+not change.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from colibri_olmoe import synthetic  # noqa: E402
 GIB = 1024 ** 3
 # ~345 MB of f32: 6 MoE layers x 32 experts x 1.5 MiB, plus attention, embeddings and head.
 SPEC = synthetic.DemoSpec(hidden=512, layers=6, heads=8, experts=32, top_k=4, expert_width=256, vocab=4096,
-                     layers_per_shard=2, tokenizer_corpus_bytes=400_000)
+                          layers_per_shard=2, tokenizer_corpus_bytes=400_000)
 PROMPT = ("The expert cache keeps the most recently used experts of every layer in memory and reads the rest "
           "from disk when the router asks for them, so a model larger than RAM still runs.")
 TOKENS = 24

@@ -36,6 +36,12 @@ def metric(server, name: str) -> float:
     return 0.0
 
 
+def rss_bytes() -> int:
+    """This process's resident set (the server runs in a thread here), from /proc."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,6 +85,7 @@ def test_32_clients_2_slots_queue_8(model_dir):
                         text += choices[0]["delta"].get("content") or "" if choices else ""
                 return i, 200, None, text
 
+        rss_before = rss_bytes()
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             results = list(pool.map(one, range(32), timeout=120))
@@ -95,6 +102,9 @@ def test_32_clients_2_slots_queue_8(model_dir):
         wait_until(lambda: metric(server, "colibri_slots_busy") == 0, 10, "slots to drain")
         assert metric(server, "colibri_queue_depth") == 0
         assert metric(server, 'colibri_rejected_total{reason="queue_full"}') == len(refused)
+        # Bounded memory: the server (in this process) holds no per-request state once the burst is over. 32 short
+        # requests need kilobytes; a leak of buffers or of queued bodies per request would show as megabytes.
+        assert rss_bytes() - rss_before < 64 * 1024 * 1024
     finally:
         server.stop()
 

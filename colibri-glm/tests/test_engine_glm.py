@@ -52,6 +52,9 @@ CASES = {
     "glm_moe_dsa_sparse": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8)),
     "glm_moe_dsa_sparse_shared": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8, num_layers=4,
                                                       indexer_types=["full", "shared", "full", "shared"])),
+    # bf16 weights (router and bias stay f32, as transformers keeps them): the absorbed key half of kv_b_proj is
+    # transposed in the stored dtype. transformers runs f32 on the same bf16 values, so the f32 tolerance holds.
+    "glm_moe_dsa_sparse_bf16": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8, dtype="bfloat16")),
 }
 
 

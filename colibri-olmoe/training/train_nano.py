@@ -54,20 +54,20 @@ class RunConfig:
     layers: int = 4
     heads: int = 4
     experts: int = 32
-    top_k: int = 4
-    expert_width: int = 192
-    seq: int = 256
+    top_k: int = 2
+    expert_width: int = 128
+    seq: int = 128
     batch: int = 8
-    steps: int = 300
+    steps: int = 750
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 20
+    warmup: int = 30
     weight_decay: float = 0.1
     aux_coef: float = 0.01
     grad_clip: float = 1.0
     heldout_percent: int = 5
     eval_windows: int = 32
-    threads: int = 2
+    threads: int = 1      # one: on a shared 2-core box, two OpenMP threads ran 5x slower (spin-waiting)
     max_context: int = 2048
 
 
@@ -317,25 +317,21 @@ def train(cfg: RunConfig, out: Path, tokenizer_dir: Path | None, dtype: str, eva
         tokens_seen += batch.shape[0] * (batch.shape[1] - 1)
         if first_loss is None:
             first_loss = float(lm.detach())
-        record = {"step": step + 1, "lm_loss": round(float(lm), 5), "aux_loss": round(float(aux), 5),
+        record = {"step": step + 1, "lm_loss": round(float(lm.detach()), 5), "aux_loss": round(float(aux.detach()), 5),
                   "lr": lr_at(step, cfg), "tokens": tokens_seen, "elapsed_s": round(time.time() - t0, 1)}
         if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
             record["heldout_loss"] = round(heldout_loss(model, windows), 5)
+            save_checkpoint(model, out, dtype, eos_id, pad_id)      # a usable checkpoint while training goes on
         log.append(record)
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
         if (step + 1) % 10 == 0 or step == 0 or "heldout_loss" in record:
             rate = tokens_seen / max(1e-9, time.time() - t0)
-            print(f"step {step + 1}/{cfg.steps} lm {float(lm):.4f} aux {float(aux):.4f} "
+            print(f"step {step + 1}/{cfg.steps} lm {float(lm.detach()):.4f} aux {float(aux.detach()):.4f} "
                   f"{rate:.0f} tok/s {record.get('heldout_loss', '')}", flush=True)
     log_file.close()
     train_seconds = time.time() - t0
     final_heldout = log[-1]["heldout_loss"]
-    model.config.output_router_logits = False
-    save_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    model.to(save_dtype).save_pretrained(out, safe_serialization=True)
-    gen = {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     metrics = {
         "model": "colibri-nano", "parameters": params,
         "active_parameters_per_token": active_parameters(cfg),
@@ -356,6 +352,19 @@ def train(cfg: RunConfig, out: Path, tokenizer_dir: Path | None, dtype: str, eva
     except ImportError:
         print("matplotlib missing: no loss_curve.png (pip install matplotlib)", flush=True)
     return metrics
+
+
+def save_checkpoint(model, out: Path, dtype: str, eos_id: int, pad_id: int) -> None:
+    import copy
+
+    import torch
+
+    frozen = copy.deepcopy(model).to({"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype])
+    frozen.config.output_router_logits = False
+    frozen.save_pretrained(out, safe_serialization=True)
+    # Greedy by default: a code-completion model, and greedy output is what the transformers check compares.
+    gen = {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def active_parameters(cfg: RunConfig) -> int:
@@ -380,7 +389,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="reuse tokenizer.json from this directory instead of training one")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=150)
     for name, value in asdict(defaults).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)

@@ -113,7 +113,8 @@ static void test_router_random(void) {
     int idx[8], ridx[8];
     for (size_t g = 0; g < sizeof geo / sizeof geo[0]; g++)
         for (int trial = 0; trial < 500; trial++) {
-            cb_grouped_router r = {geo[g][0], geo[g][1], geo[g][2], geo[g][3], trial % 2, 1.8f, trial % 3 ? bias : NULL};
+            cb_grouped_router r = {geo[g][0], geo[g][1], geo[g][2], geo[g][3], trial % 2, 1.8f,
+                                   trial % 3 ? bias : NULL};
             for (int e = 0; e < r.n_experts; e++) { logits[e] = 3 * urand(); bias[e] = 0.25f * urand(); }
             cb_grouped_route(&r, logits, idx, w, scratch);
             ref_route(&r, logits, ridx, rw);

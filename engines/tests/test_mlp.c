@@ -8,7 +8,8 @@
 enum { HID = 20, INTER = 12, T = 5 };
 
 static cb_linear lin(int rows, int cols) {
-    cb_linear l = {rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0), CB_F32, rows, cols};
+    cb_linear l = {.w = rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0), .dt = CB_F32,
+                   .rows = rows, .cols = cols};
     return l;
 }
 

@@ -37,6 +37,7 @@ class ChatSession:
     max_tokens: int
     ctx: int
     system: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # e.g. enable_thinking (--think/--no-think)
     messages: list[dict[str, str]] = field(default_factory=list)
     turns: list[TurnStats] = field(default_factory=list)
     dropped_messages: int = 0
@@ -63,7 +64,7 @@ class ChatSession:
 
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
         if self.uses_template:
-            return self.tok.encode_chat(messages, add_generation_prompt=True)
+            return self.tok.encode_chat(messages, add_generation_prompt=True, **self.template_kwargs)
         # Plain text: the turns one after another, so the model simply continues the transcript.
         return self.tok.encode("".join(m["content"] + "\n" for m in messages))
 

@@ -34,12 +34,26 @@ def read_prompt_file(path: Path) -> str:
                          "convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
-def build_prompt(tok: TextTokenizer, text: str, chat: bool | None) -> Prompt:
+def thinking_kwargs(tok: TextTokenizer, think: bool | None) -> dict[str, Any]:
+    """``enable_thinking`` for the chat template (``--think/--no-think``), only when the template reads it (Qwen3's
+    do); asking for it on a template without that switch is refused rather than silently ignored."""
+    if think is None:
+        return {}
+    if not any("enable_thinking" in t.source for t in tok.templates.values()):
+        flag = "--think" if think else "--no-think"
+        raise UsageError(f"{flag}: this checkpoint's chat template has no enable_thinking switch",
+                         "drop the flag (the model decides whether to think)")
+    return {"enable_thinking": think}
+
+
+def build_prompt(tok: TextTokenizer, text: str, chat: bool | None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
     """Chat mode renders one user turn with the checkpoint's template (the default when it has one)."""
     if chat is not False and not tok.has_chat_template:
         return Prompt(tok.encode(text), "raw", text, NO_TEMPLATE_NOTICE)
     if chat is not False:
-        rendered = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        rendered = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True,
+                                   **(template_kwargs or {}))
         return Prompt(tok.encode(rendered, add_special_tokens=False), "chat", rendered)
     return Prompt(tok.encode(text), "raw", text)
 

@@ -13,8 +13,8 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
-    TensorLayout,
+    Claim, DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    ResourcePlan, TensorLayout,
 )
 
 FAMILY = "olmoe"
@@ -162,6 +162,26 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
     return EngineEnv(args=engine_hparams(model))
 
 
+def _nano_copy(cache_dir: Path) -> Path:
+    import hashlib
+    import shutil
+
+    from colibri.demo import ensure_directory
+
+    files = sorted(p for p in NANO_DIR.iterdir() if p.is_file() and not p.name.startswith("."))
+    # Named by the shipped metrics and file sizes, so an upgraded package never runs a stale copy.
+    stamp = hashlib.sha256((NANO_DIR / "metrics.json").read_bytes()
+                           + repr([(p.name, p.stat().st_size) for p in files]).encode()).hexdigest()[:12]
+
+    def copy(out: Path) -> None:
+        out.mkdir(parents=True)
+        for p in files:
+            shutil.copyfile(p, out / p.name)
+
+    path, _ = ensure_directory(cache_dir / f"colibri-nano-{stamp}", copy)
+    return path
+
+
 def synthetic_spec():
     """The shape of ``coli demo --synthetic``'s model (a function so tests can swap in a tiny one)."""
     from .synthetic import DemoSpec
@@ -180,6 +200,8 @@ def demo_model(cache_dir: Path, synthetic: bool) -> DemoModel | None:
                                f"(~{spec.total_bytes / 1e6:.0f} MB, written once)", DEMO_PROMPT, is_random=True)
     if not (NANO_DIR / "config.json").exists():
         return None
-    # The engine only reads the checkpoint, so the package directory is run in place (no copy).
-    return DemoModel(NANO_DIR, "colibri-nano, a small OLMoE trained on the Python standard library "
+    # Run a copy in the cache, not the package directory: the engine saves its learned hot set (pinning) next to
+    # the weights, and site-packages may be read-only (or, editable, a source checkout).
+    path = _nano_copy(cache_dir)
+    return DemoModel(path, "colibri-nano, a small OLMoE trained on the Python standard library "
                                "(bundled with colibri-olmoe)", DEMO_PROMPT, is_random=False)

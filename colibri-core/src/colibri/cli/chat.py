@@ -78,6 +78,8 @@ def chat_command(
     experts_top_p: Optional[float] = ExpertsTopPOption,
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
+                                         "that has the switch (Qwen3); default: the template's own."),
 ) -> None:
     """Chat with a model: the engine loads once; each turn reuses the cached prefix of the conversation."""
     from .. import launch
@@ -85,13 +87,14 @@ def chat_command(
     from ..chat_input import LineSource, read_message
     from ..chat_session import ChatSession
     from ..inventory import family_answer
-    from ..prompt import choose_sampling
+    from ..prompt import choose_sampling, thinking_kwargs
     from ..streaming import stats_line
 
     if max_tokens < 1:
         raise ColibriError(f"--max-tokens {max_tokens}: must be at least 1")
     resolved = resolve_model(model, family)
     tok = family_answer(resolved, "load_tokenizer")
+    template_kwargs = thinking_kwargs(tok, think)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
@@ -99,7 +102,7 @@ def chat_command(
     source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
 
     with launch.start(spec) as engine:
-        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system)
+        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs)
         if session.notice:
             print_warning(session.notice)
         if interactive:

@@ -47,6 +47,8 @@ def run_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw", help="Wrap the prompt in the checkpoint's chat "
                                         "template (default when it has one) or send it as plain text."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
+                                         "that has the switch (Qwen3); default: the template's own."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", metavar="FILE", help="Read the prompt from "
                                                "a UTF-8 file."),
     as_json: bool = JsonOption,
@@ -54,7 +56,7 @@ def run_command(
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
     from .. import launch
     from ..inventory import family_answer
-    from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, read_prompt_file
+    from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, read_prompt_file, thinking_kwargs
     from ..streaming import stats_line, stream_reply
 
     if prompt is not None and prompt_file is not None:
@@ -66,7 +68,9 @@ def run_command(
 
     resolved = resolve_model(model, family)
     tok = family_answer(resolved, "load_tokenizer")
-    built = build_prompt(tok, prompt, chat)
+    if think is not None and chat is False:
+        raise UsageError("--think/--no-think with --raw: thinking is a chat-template switch", "drop one of them")
+    built = build_prompt(tok, prompt, chat, thinking_kwargs(tok, think))
     if built.notice:
         print_warning(built.notice)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)

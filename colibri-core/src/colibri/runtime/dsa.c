@@ -77,7 +77,10 @@ static void sift_down(int *heap, int n, int i, const float *sc) {
     }
 }
 
-static int cmp_int(const void *a, const void *b) { return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b); }
+static int cmp_int(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
 
 int cb_dsa_top_positions(const float *scores, int n, int k, int *heap, int *out) {
     if (k >= n) {

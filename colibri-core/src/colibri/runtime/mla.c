@@ -67,10 +67,11 @@ int cb_mla_init(cb_mla *m, const cb_st_index *idx, const char *prefix, const cb_
     char *dst = m->wk_t;
     for (int h = 0; h < H; h++)
         for (int d = 0; d < s->nope; d++) {
-            const char *row = src + ((size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)d) * (size_t)s->kv_lora * es;
+            size_t r = (size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)d;
+            const char *row = src + r * (size_t)s->kv_lora * es;
+            char *col = dst + ((size_t)h * per_head + (size_t)d) * es;   /* element (c, d) of head h's [c][d] */
             for (int c = 0; c < s->kv_lora; c++)
-                memcpy(dst + ((size_t)h * per_head + (size_t)c * (size_t)s->nope + (size_t)d) * es, row + (size_t)c * es,
-                       es);
+                memcpy(col + (size_t)c * (size_t)s->nope * es, row + (size_t)c * es, es);
         }
     if (bytes) *bytes += (size_t)H * per_head * es;
     return 0;
@@ -141,7 +142,8 @@ static void attend_one(void *ctx, int task) {
     const float *q = m->q + ((size_t)row * (size_t)H + (size_t)h) * (size_t)qk;
     float *sc = m->work + (size_t)task * ((size_t)m->ctx + 2 * (size_t)L), *q_lat = sc + m->ctx, *ctx_lat = q_lat + L;
     const char *wk = (const char *)m->wk_t + (size_t)h * (size_t)L * (size_t)s->nope * es;
-    for (int c = 0; c < L; c++) q_lat[c] = s->nope ? cb_dot(wk + (size_t)c * (size_t)s->nope * es, m->wk_dt, q, s->nope) : 0;
+    for (int c = 0; c < L; c++)
+        q_lat[c] = s->nope ? cb_dot(wk + (size_t)c * (size_t)s->nope * es, m->wk_dt, q, s->nope) : 0.0f;
     const int *sel = j->sel ? j->sel + (size_t)row * (size_t)j->sel_stride : NULL;
     int n_keys = sel ? j->n_sel[row] : pos + 1;
     for (int i = 0; i < n_keys; i++) {
@@ -156,7 +158,8 @@ static void attend_one(void *ctx, int task) {
         for (int c = 0; c < L; c++) ctx_lat[c] += p * r[c];
     }
     float *out = m->att + ((size_t)row * (size_t)H + (size_t)h) * (size_t)s->v_dim;
-    const char *wv = (const char *)m->kv_b.w + ((size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)s->nope) * (size_t)L * es;
+    size_t v_row = (size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)s->nope;
+    const char *wv = (const char *)m->kv_b.w + v_row * (size_t)L * es;
     for (int d = 0; d < s->v_dim; d++) out[d] = cb_dot(wv + (size_t)d * (size_t)L * es, m->kv_b.dt, ctx_lat, L);
 }
 

@@ -1,0 +1,119 @@
+"""colibri-nano, the trained model shipped as package data (``colibri_olmoe/nano``): it is a standard Hugging Face
+checkpoint, colibri's engine generates exactly what transformers generates from it, and the committed training
+script reproduces its recorded first-step loss."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from colibri_olmoe.plugin import NANO_DIR, engine_hparams  # noqa: E402
+
+TRAINING = Path(__file__).resolve().parents[1] / "training" / "train_nano.py"
+PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):")
+GREEDY_TOKENS = 32
+LOGIT_TOL = 1e-3     # bf16 weights upcast exactly on both sides, f32 arithmetic: only summation order differs
+MIN_MARGIN = 1e-2    # every greedy step's top-1/top-2 gap, so the token comparison cannot flip on rounding
+
+
+def metrics() -> dict:
+    return json.loads((NANO_DIR / "metrics.json").read_text())
+
+
+def test_shipped_files_describe_one_small_bf16_moe():
+    names = {p.name for p in NANO_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "MODEL_CARD.md", "metrics.json", "loss_curve.png"} <= names
+    cfg = json.loads((NANO_DIR / "config.json").read_text())
+    assert cfg["model_type"] == "olmoe" and cfg["architectures"] == ["OlmoeForCausalLM"]
+    assert cfg["num_experts"] >= 16 and cfg["num_experts_per_tok"] >= 2
+    size = (NANO_DIR / "model.safetensors").stat().st_size
+    assert size < 60_000_000
+    m = metrics()
+    assert m["saved_dtype"] == "bfloat16" and size < 2 * m["parameters"] + 1_000_000
+    assert m["heldout_perplexity"] < 0.2 * m["run_config"]["vocab"]      # far below a uniform guess
+    assert m["final_train_loss"] < m["first_step_loss"] - 2
+    card = (NANO_DIR / "MODEL_CARD.md").read_text()
+    assert "PSF" in card and "train_nano.py" in card and str(m["heldout_perplexity"]) in card
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(NANO_DIR, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def greedy_reference(model, ids: list[int]):
+    """transformers' greedy continuation (no stop token), the prompt logits and the smallest top-1/top-2 gap."""
+    import torch
+
+    seq = torch.tensor([ids])
+    margins, prompt_logits, past = [], None, None
+    with torch.no_grad():
+        out = model(seq, use_cache=True)
+        prompt_logits, past = out.logits[0], out.past_key_values
+        nxt = out.logits[0, -1]
+        tokens = []
+        for _ in range(GREEDY_TOKENS):
+            top2 = nxt.topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+            tok = int(nxt.argmax())
+            tokens.append(tok)
+            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[0, -1]
+    return tokens, prompt_logits, min(margins)
+
+
+def test_engine_greedy_equals_transformers_on_the_shipped_checkpoint(reference):
+    import torch
+
+    from colibri.builder import build_family
+    from colibri.engine import Engine
+    from colibri.model import read_config
+    from colibri.records import ResolvedModel
+    from colibri.tokenizer import load_tokenizer_dir
+
+    tok = load_tokenizer_dir(NANO_DIR)
+    resolved = ResolvedModel(NANO_DIR, "olmoe", "olmoe", read_config(NANO_DIR))
+    argv = [str(build_family("olmoe")), "--model", str(NANO_DIR), "--ctx", "256", "--slots", "1", "--cap", "8",
+            "--threads", "2", *engine_hparams(resolved)]
+    with Engine(argv, env={"COLIBRI_PREFETCH": "0"}) as engine:
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            want, ref_logits, margin = greedy_reference(reference, ids)
+            assert margin >= MIN_MARGIN, f"{prompt!r}: a near-tie ({margin:.2g}) makes the comparison moot"
+            engine.reset(0)
+            got = engine.generate(ids, max_tokens=GREEDY_TOKENS, logits=True)
+            diff = (torch.tensor(got.logits) - ref_logits).abs().max().item()
+            assert diff < LOGIT_TOL, f"{prompt!r}: prompt logits differ by {diff}"
+            assert got.tokens == want, f"{prompt!r}: {tok.decode(got.tokens)!r} != {tok.decode(want)!r}"
+
+
+def test_training_script_reproduces_the_first_step_loss():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    m = metrics()
+    if sys.version.split()[0] != m["corpus"]["python"]:
+        pytest.skip(f"the corpus is the Python {m['corpus']['python']} standard library; this is {sys.version}")
+    spec = importlib.util.spec_from_file_location("train_nano", TRAINING)
+    train_nano = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_nano)
+    from tokenizers import Tokenizer
+
+    cfg = train_nano.RunConfig(**m["run_config"])
+    assert cfg == train_nano.RunConfig(), "the script's defaults must be the run that made the shipped model"
+    tok = Tokenizer.from_file(str(NANO_DIR / "tokenizer.json"))
+    loss = train_nano.first_step_loss(cfg, tok)
+    assert abs(loss - m["first_step_loss"]) < 1e-4, (loss, m["first_step_loss"])
+    other = train_nano.first_step_loss(train_nano.RunConfig(seed=cfg.seed + 1), tok)
+    assert abs(other - m["first_step_loss"]) > 1e-4        # the check can fail: another seed is another loss

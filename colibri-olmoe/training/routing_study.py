@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Routing study of colibri-nano on held-out text: what an expert cache can expect from a trained router.
+
+Measured on the held-out split of the training corpus (files ``train_nano.py`` never trained on):
+
+* per-layer expert popularity (share of routed slots each expert takes; its spread against the uniform 1/E),
+* token-to-token reuse (the share of token t's top-k experts that token t-1 also chose, per layer),
+* expert-cache hit rate against cache size, simulated on the routing trace in decode order (every token looks up
+  its k experts in its layer's cache): plain LRU, and "pinned" (half the slots hold the experts most popular in
+  the first half of the trace, LRU for the rest; scored on the second half),
+* the engine's own counters at the same cache sizes (``--pin off`` and ``--pin on``, no prefetch), generating
+  greedily from a held-out prompt: prefill runs in chunks, so the engine's numbers include batched lookups.
+
+Writes ``docs/routing-study.png`` and replaces its own section of ``docs/benchmarks.md`` (between the
+``routing-study`` markers; the rest of that file belongs to others). Run with ``nox -s routing_study``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BEGIN, END = "<!-- routing-study:begin -->", "<!-- routing-study:end -->"
+
+
+def load_training_module():
+    spec = importlib.util.spec_from_file_location("train_nano", HERE / "train_nano.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def routing_trace(model_dir: Path, windows) -> np.ndarray:
+    """[layers, tokens, k] expert ids chosen by transformers' router on the held-out windows, in text order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    k = model.config.num_experts_per_tok
+    per_window = []
+    with torch.no_grad():
+        for row in windows:
+            out = model(row[None, :], output_router_logits=True)
+            per_window.append(np.stack([logits.topk(k, dim=-1).indices.numpy() for logits in out.router_logits]))
+    return np.concatenate(per_window, axis=1)
+
+
+def popularity(trace: np.ndarray, experts: int) -> np.ndarray:
+    """[layers, experts] share of routed slots."""
+    counts = np.stack([np.bincount(layer.ravel(), minlength=experts) for layer in trace]).astype(float)
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+def reuse(trace: np.ndarray) -> np.ndarray:
+    """Per layer: mean share of token t's experts that token t-1 also chose."""
+    k = trace.shape[2]
+    out = []
+    for layer in trace:
+        shared = [len(set(a) & set(b)) / k for a, b in zip(layer[1:], layer[:-1])]
+        out.append(float(np.mean(shared)))
+    return np.array(out)
+
+
+def lru_hits(tokens: np.ndarray, cap: int, pinned: frozenset = frozenset()) -> tuple[int, int]:
+    """(hits, lookups) of one layer's cache: ``pinned`` experts always hit, the other ``cap`` slots are LRU."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = lookups = 0
+    for chosen in tokens:
+        for e in chosen:
+            lookups += 1
+            if e in pinned:
+                hits += 1
+            elif e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                cache[e] = None
+                if len(cache) > cap:
+                    cache.popitem(last=False)
+    return hits, lookups
+
+
+def simulate(trace: np.ndarray, experts: int, caps: list[int]) -> dict[str, dict[int, float]]:
+    half = trace.shape[1] // 2
+    learned = popularity(trace[:, :half], experts)
+    out: dict[str, dict[int, float]] = {"lru": {}, "pinned": {}}
+    for cap in caps:
+        h = n = 0
+        for layer in trace[:, half:]:
+            a, b = lru_hits(layer, cap)
+            h, n = h + a, n + b
+        out["lru"][cap] = h / n
+        h = n = 0
+        for li, layer in enumerate(trace[:, half:]):
+            pins = frozenset(np.argsort(-learned[li])[: cap // 2].tolist())
+            a, b = lru_hits(layer, cap - len(pins), pins)
+            h, n = h + a, n + b
+        out["pinned"][cap] = h / n
+    return out
+
+
+def engine_hit_rates(model_dir: Path, prompt: list[int], caps: list[int], tokens: int) -> dict[str, dict[int, float]]:
+    from colibri.builder import build_family
+    from colibri.engine import Engine
+    from colibri.model import read_config
+    from colibri.records import ResolvedModel
+    from colibri_olmoe.plugin import engine_hparams
+
+    resolved = ResolvedModel(model_dir, "olmoe", "olmoe", read_config(model_dir))
+    binary = build_family("olmoe")
+    out: dict[str, dict[int, float]] = {"engine lru": {}, "engine pin": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pin in ("off", "on"):
+            for cap in caps:
+                argv = [str(binary), "--model", str(model_dir), "--ctx", str(len(prompt) + tokens + 8),
+                        "--slots", "1", "--cap", str(cap), "--threads", "2", "--prefetch", "off", "--pin", pin,
+                        "--hotset", str(Path(tmp) / f"hot-{cap}"), *engine_hparams(resolved)]
+                with Engine(argv, env={"COLIBRI_PREFETCH": "0"}) as engine:
+                    engine.generate(prompt, max_tokens=tokens)
+                    stats = engine.stats()
+                hits, misses = sum(stats["hits"]), sum(stats["misses"])
+                out[f"engine {'pin' if pin == 'on' else 'lru'}"][cap] = hits / (hits + misses)
+    return out
+
+
+def plot(pop: np.ndarray, curves: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    image = a.imshow(pop * pop.shape[1], aspect="auto", cmap="viridis")
+    a.set_xlabel("expert")
+    a.set_ylabel("layer")
+    a.set_title("expert popularity (x uniform share)")
+    fig.colorbar(image, ax=a)
+    styles = {"lru": "o-", "pinned": "s-", "engine lru": "x--", "engine pin": "+--"}
+    for name, curve in curves.items():
+        caps = sorted(curve)
+        b.plot(caps, [100 * curve[c] for c in caps], styles.get(name, "o-"), label=name)
+    caps = sorted(next(iter(curves.values())))
+    b.plot(caps, [100 * c / pop.shape[1] for c in caps], ":", color="grey", label="uniform routing")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("cache slots per layer")
+    b.set_ylabel("hit rate (%)")
+    b.set_title("expert cache hit rate, held-out text")
+    b.grid(alpha=0.3)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(meta: dict, pop: np.ndarray, reuse_by_layer: np.ndarray, curves: dict[str, dict[int, float]]) -> str:
+    experts = pop.shape[1]
+    lines = [BEGIN, "## Routing study: colibri-nano on held-out text", "",
+             f"`nox -s routing_study` ({meta['tokens']} held-out tokens of the Python standard library that "
+             f"colibri-nano never trained on; {meta['layers']} MoE layers x {experts} experts, top-{meta['k']}). "
+             "Simulated rates replay transformers' routing token by token (pinned: half the slots hold the "
+             "experts most popular in the first half of the trace; both scored on the second half); engine "
+             f"rates are `hits / (hits + misses)` of the C engine generating {meta['engine_tokens']} greedy tokens "
+             f"from a {meta['prompt_tokens']}-token held-out prompt, no prefetch.", "",
+             "| layer | top expert share | top-4 share | uniform share | normalised entropy | reuse t-1 -> t |",
+             "|---|---|---|---|---|---|"]
+    for i, (p, r) in enumerate(zip(pop, reuse_by_layer)):
+        q = np.sort(p)[::-1]
+        entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(experts))
+        lines.append(f"| {i} | {100 * q[0]:.1f}% | {100 * q[:4].sum():.1f}% | {100 / experts:.1f}% | "
+                     f"{entropy:.3f} | {100 * r:.1f}% |")
+    caps = sorted(next(iter(curves.values())))
+    lines += ["", "| cache slots per layer | " + " | ".join(str(c) for c in caps) + " |",
+              "|---|" + "---|" * len(caps)]
+    lines.append("| uniform routing | " + " | ".join(f"{100 * c / experts:.0f}%" for c in caps) + " |")
+    for name, curve in curves.items():
+        lines.append(f"| {name} | " + " | ".join(f"{100 * curve[c]:.1f}%" for c in caps) + " |")
+    lines += ["", "![routing study](routing-study.png)", "", END]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(doc: Path, section: str) -> None:
+    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section.rstrip("\n") + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    tmp = doc.with_suffix(".md.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colibri_olmoe.plugin import NANO_DIR
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=NANO_DIR)
+    parser.add_argument("--windows", type=int, default=24, help="held-out windows of the training length")
+    parser.add_argument("--engine-tokens", type=int, default=64)
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    train_nano = load_training_module()
+    from tokenizers import Tokenizer
+
+    cfg = train_nano.RunConfig(**json.loads((args.model / "metrics.json").read_text())["run_config"])
+    tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
+    _, held = train_nano.split_corpus(cfg)
+    windows = train_nano.eval_windows(tok, held, cfg.seq, args.windows)
+    trace = routing_trace(args.model, windows)
+    caps = [c for c in (1, 2, 4, 8, 16) if c < cfg.experts]
+    pop = popularity(trace, cfg.experts)
+    curves = simulate(trace, cfg.experts, caps)
+    prompt = windows[-1, :96].tolist()
+    curves.update(engine_hit_rates(args.model, prompt, caps, args.engine_tokens))
+    meta = {"tokens": int(trace.shape[1]), "layers": cfg.layers, "k": cfg.top_k,
+            "engine_tokens": args.engine_tokens, "prompt_tokens": len(prompt)}
+    plot(pop, curves, args.docs / "routing-study.png")
+    section = markdown(meta, pop, reuse(trace), curves)
+    write_section(args.docs / "benchmarks.md", section)
+    sys.stdout.write(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
