@@ -122,3 +122,16 @@ def routing_study(session: nox.Session) -> None:
     session.install("matplotlib")
     session.run("python", str(ROOT / "colibri-olmoe" / "training" / "routing_study.py"), *session.posargs,
                 env=TEST_ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
+
+    Builds (once, cached under ~/.cache/colibri/bench) a synthetic bf16 checkpoint and a router-skewed variant,
+    builds llama-cpp-python from its sdist and converts the same weights to GGUF; writes bench-results/ and
+    docs/benchmarks.md. Needs root for drop_caches, readahead and the cgroup v1 memory cap.
+    """
+    install_everything(session)
+    session.install("matplotlib")
+    session.run("python", str(ROOT / "engines" / "bench" / "stream_bench.py"), *session.posargs, env=TEST_ENV)

@@ -144,8 +144,9 @@ def test_coli_demo_runs_the_bundled_model_streaming_experts(olmoe_installed):
     """The default: the trained model under a budget that caches a quarter of its experts, greedy completion."""
     out = run_demo("--tokens", "24")
     assert "colibri-nano" in out and "RANDOM" not in out and "noise" not in out
+    # The planner's fixed 64 MiB reserve outweighs this small model, so the budget is not smaller than the whole
+    # file; what streams is the experts: the cache holds a quarter of each layer's, the rest is read on a miss.
     assert re.search(r"8 of 32 experts per layer \(25%", out)
-    assert "smaller than the model" in out
     read = re.search(r"streamed\s+([\d.]+) (KiB|MiB) of experts read from disk in (\d+) reads "
                      r"\(hit rate ([\d.]+)%", out)
     assert read and int(read.group(3)) > 0 and 0 < float(read.group(4)) < 100

@@ -100,14 +100,22 @@ def fixed_prompt(seed: int = 0, length: int = PROMPT_TOKENS) -> list[int]:
     return [rng.randrange(2, 512) for _ in range(length)]
 
 
+def pick_prompt(model):
+    """The first seeded prompt whose reference continuation has no near-tie (chosen from transformers alone)."""
+    for seed in range(8):
+        prompt = fixed_prompt(seed)
+        logits, tokens, margin = reference_run(model, prompt)
+        if margin >= MIN_MARGIN:
+            return prompt, logits, tokens
+    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     kind, overrides = CASES[case]
     built = tiny_model(kind, tiny_root, seed=0, **overrides)
     cfg = read_config(built.path)
-    prompt = fixed_prompt()
-    ref_logits, ref_tokens, margin = reference_run(load_reference(built.path), prompt)
-    assert margin >= MIN_MARGIN, f"reference continuation has a near-tie ({margin}); pick another seed"
+    prompt, ref_logits, ref_tokens = pick_prompt(load_reference(built.path))
     moe_layers = sum(1 for i in range(cfg["num_hidden_layers"]) if i >= 1)   # tiny: one leading dense layer
     accesses = None
     for cap in (1, 2, 0):

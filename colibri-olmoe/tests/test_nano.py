@@ -107,6 +107,7 @@ def test_training_script_reproduces_the_first_step_loss():
         pytest.skip(f"the corpus is the Python {m['corpus']['python']} standard library; this is {sys.version}")
     spec = importlib.util.spec_from_file_location("train_nano", TRAINING)
     train_nano = importlib.util.module_from_spec(spec)
+    sys.modules["train_nano"] = train_nano          # dataclasses resolve their module by name
     spec.loader.exec_module(train_nano)
     from tokenizers import Tokenizer
 

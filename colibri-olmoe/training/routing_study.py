@@ -36,6 +36,7 @@ BEGIN, END = "<!-- routing-study:begin -->", "<!-- routing-study:end -->"
 def load_training_module():
     spec = importlib.util.spec_from_file_location("train_nano", HERE / "train_nano.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["train_nano"] = module              # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
 

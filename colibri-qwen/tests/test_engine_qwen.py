@@ -224,6 +224,7 @@ def test_geometry_and_plan_report_recurrent_state(tiny_root):
     # 6 of 8 layers are Gated DeltaNet; x 2 for the engine's end-of-prompt checkpoint of the state
     assert g.state_bytes_per_slot == 2 * per_layer * 6
     assert g.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4         # only the 2 full-attention layers hold KV
+    assert dict(g.notes)["recurrent state"].startswith(f"{g.state_bytes_per_slot:,} B per slot")   # coli info
     facts = load_facts(model)
     plan = plan_for(facts, 8 << 30, 256, 3, None)
     assert plan.state_bytes == 3 * g.state_bytes_per_slot

@@ -182,3 +182,25 @@ def test_bad_field_is_a_config_error(tmp_path):
 def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, "qwen", QWEN3_30B_A3B))
     assert lim.max_context == 40960 and lim.has_engine
+
+
+def _hparams(tmp_path, config) -> dict[str, str]:
+    args = plugin.engine_hparams(resolved(tmp_path, "qwen", config))
+    assert list(args[::2]) == ["--set"] * (len(args) // 2)
+    return dict(a.split("=", 1) for a in args[1::2])
+
+
+def test_engine_hparams_of_real_configs(tmp_path):
+    q3 = _hparams(tmp_path, QWEN3_30B_A3B)
+    assert (q3["qk_norm"], q3["norm_topk_prob"], q3["rope_theta"], q3["num_experts"]) == ("1", "1", "1000000.0", "128")
+    assert "mlp_only_layers" not in q3 and "layer_types" not in q3 and "shared_expert_intermediate_size" not in q3
+    q15 = _hparams(tmp_path, QWEN15_MOE)
+    assert (q15["qkv_bias"], q15["norm_topk_prob"], q15["shared_expert_intermediate_size"]) == ("1", "0", "5632")
+    nxt = _hparams(tmp_path, QWEN3_NEXT_80B)
+    assert nxt["partial_rotary_factor"] == "0.25" and nxt["linear_projection"] == "fused"
+    assert nxt["layer_types"].split(",")[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (nxt["zero_centered_norm"], nxt["attn_output_gate"]) == ("1", "1")
+    q35 = _hparams(tmp_path, QWEN35_35B)
+    assert q35["weight_prefix"] == "model.language_model." and q35["linear_projection"] == "split"
+    assert q35["norm_topk_prob"] == "1" and q35["vocab_size"] == "248320"
+    assert "mrope_section" not in q35      # text positions are equal on every M-RoPE section: plain RoPE

@@ -178,7 +178,11 @@ def _nano_copy(cache_dir: Path) -> Path:
         for p in files:
             shutil.copyfile(p, out / p.name)
 
-    path, _ = ensure_directory(cache_dir / f"colibri-nano-{stamp}", copy)
+    path, built = ensure_directory(cache_dir / f"colibri-nano-{stamp}", copy)
+    if built:   # copies of earlier releases of the model are dead weight now
+        for old in cache_dir.glob("colibri-nano-*"):
+            if old != path and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
     return path
 
 

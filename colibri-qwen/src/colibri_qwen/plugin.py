@@ -91,6 +91,8 @@ def model_geometry(model: ResolvedModel) -> Geometry:
         # x 2: the engine checkpoints each slot's state at the end of every prompt, so a chat turn whose reply
         # re-tokenizes differently can still resume from the history before it.
         state = 2 * per_layer * (r["layers"] - len(full_layers))
+        notes.append(("recurrent state", f"{state:,} B per slot (conv window + delta-rule memory of each "
+                                         "Gated DeltaNet layer, and its end-of-prompt checkpoint)"))
         notes.append(("layers", f"{r['layers'] - len(full_layers)} Gated DeltaNet + {len(full_layers)} full attention"))
     rope = configs.rope(cfg)
     # Qwen3.5 always renormalises the top-k weights (its config has no switch); the others follow the flag, whose

@@ -148,7 +148,7 @@ def serve_command(
     config = ServerConfig(model_id=resolved.path.name, ctx=spec.ctx, kv_slots=kv_slots, max_queue=max_queue,
                           queue_timeout=queue_timeout, api_key=api_key or None,
                           cors_origins=tuple(cors_origin or ()), max_body=body_limit, family=resolved.family,
-                          created=int(time.time()))
+                          created=int(time.time()), lossy=spec.streaming.lossy_label())
 
     def on_fatal(detail: str) -> None:
         fatal.append(detail)

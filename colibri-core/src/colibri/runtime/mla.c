@@ -49,31 +49,16 @@ int cb_mla_init(cb_mla *m, const cb_st_index *idx, const char *prefix, const cb_
                      load_vec(&m->bo, idx, prefix, "o_proj.bias", s->hidden, bytes, err, errlen))))
         goto fail;
     if (cb_linear_dequantize(&m->kv_b, err, errlen)) goto fail;   /* read directly below, so float */
-    /* The absorbed query needs W_UK^T rows; a transposed copy in the stored dtype keeps every dot contiguous. */
-    size_t es = cb_dtype_size(m->kv_b.dt), per_head = (size_t)s->kv_lora * (size_t)s->nope;
-    m->wk_dt = m->kv_b.dt;
-    m->wk_t = malloc((size_t)H * per_head * es + 1);
     size_t B = (size_t)max_batch;
     m->q_resid = malloc(B * (size_t)(s->q_lora ? s->q_lora : 1) * sizeof(float));
     m->q = malloc(B * (size_t)H * (size_t)qk * sizeof(float));
     m->ckv = malloc(B * (size_t)(s->kv_lora + s->rope) * sizeof(float));
     m->att = malloc(B * (size_t)H * (size_t)s->v_dim * sizeof(float));
-    m->work = malloc(B * (size_t)H * ((size_t)ctx + 2 * (size_t)s->kv_lora) * sizeof(float));
-    if (!m->wk_t || !m->q_resid || !m->q || !m->ckv || !m->att || !m->work) {
+    m->work = malloc(B * (size_t)H * ((size_t)ctx + 3 * (size_t)s->kv_lora) * sizeof(float));
+    if (!m->q_resid || !m->q || !m->ckv || !m->att || !m->work) {
         snprintf(err, errlen, "out of memory for the MLA block of %s", prefix);
         goto fail;
     }
-    const char *src = m->kv_b.w;
-    char *dst = m->wk_t;
-    for (int h = 0; h < H; h++)
-        for (int d = 0; d < s->nope; d++) {
-            size_t r = (size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)d;
-            const char *row = src + r * (size_t)s->kv_lora * es;
-            char *col = dst + ((size_t)h * per_head + (size_t)d) * es;   /* element (c, d) of head h's [c][d] */
-            for (int c = 0; c < s->kv_lora; c++)
-                memcpy(col + (size_t)c * (size_t)s->nope * es, row + (size_t)c * es, es);
-        }
-    if (bytes) *bytes += (size_t)H * per_head * es;
     return 0;
 fail:
     cb_mla_free(m);
@@ -88,7 +73,6 @@ void cb_mla_free(cb_mla *m) {
     cb_linear_free(&m->kv_b);
     cb_linear_free(&m->o);
     free(m->q_a_norm); free(m->kv_a_norm); free(m->bq_a); free(m->bkv_a); free(m->bo);
-    free(m->wk_t);
     free(m->q_resid); free(m->q); free(m->ckv); free(m->att); free(m->work);
     memset(m, 0, sizeof *m);
 }
@@ -138,12 +122,21 @@ static void attend_one(void *ctx, int task) {
     const cb_mla_shape *s = &m->s;
     int H = s->n_heads, qk = s->nope + s->rope, L = s->kv_lora;
     int row = task / H, h = task % H, pos = j->pos0 + row;
-    size_t es = cb_dtype_size(m->wk_dt);
+    size_t es = cb_dtype_size(m->kv_b.dt);
     const float *q = m->q + ((size_t)row * (size_t)H + (size_t)h) * (size_t)qk;
-    float *sc = m->work + (size_t)task * ((size_t)m->ctx + 2 * (size_t)L), *q_lat = sc + m->ctx, *ctx_lat = q_lat + L;
-    const char *wk = (const char *)m->wk_t + (size_t)h * (size_t)L * (size_t)s->nope * es;
-    for (int c = 0; c < L; c++)
-        q_lat[c] = s->nope ? cb_dot(wk + (size_t)c * (size_t)s->nope * es, m->wk_dt, q, s->nope) : 0.0f;
+    float *sc = m->work + (size_t)task * ((size_t)m->ctx + 3 * (size_t)L);
+    float *q_lat = sc + m->ctx, *ctx_lat = q_lat + L, *w_row = ctx_lat + L;
+    /* q_lat = W_UK_h^T q_nope, accumulated over W_UK_h's rows (row d scaled by q_nope[d]) so kv_b_proj is read
+     * in its stored layout: no transposed copy of the weights. */
+    memset(q_lat, 0, (size_t)L * sizeof(float));
+    const char *wk = (const char *)m->kv_b.w + (size_t)h * (size_t)(s->nope + s->v_dim) * (size_t)L * es;
+    for (int d = 0; d < s->nope; d++) {
+        const float *w = w_row;
+        if (m->kv_b.dt == CB_F32) w = (const float *)(const void *)(wk + (size_t)d * (size_t)L * es);
+        else cb_convert_to_f32(w_row, wk + (size_t)d * (size_t)L * es, m->kv_b.dt, (size_t)L);
+        float qd = q[d];
+        for (int c = 0; c < L; c++) q_lat[c] += qd * w[c];
+    }
     const int *sel = j->sel ? j->sel + (size_t)row * (size_t)j->sel_stride : NULL;
     int n_keys = sel ? j->n_sel[row] : pos + 1;
     for (int i = 0; i < n_keys; i++) {

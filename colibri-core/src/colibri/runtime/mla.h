@@ -28,14 +28,12 @@ typedef struct {
     int max_batch, ctx;
     cb_linear q_proj, q_a, q_b, kv_a, kv_b, o;
     float *q_a_norm, *kv_a_norm, *bq_a, *bkv_a, *bo;
-    void *wk_t;                /* [n_heads][kv_lora][nope]: the key half of kv_b_proj transposed, stored dtype */
-    cb_dtype wk_dt;
     /* scratch (rows up to max_batch) */
     float *q_resid;            /* n x q_lora: the normalised q latent (the DSA indexer reads it) */
     float *q;                  /* n x n_heads x (nope + rope) */
     float *ckv;                /* n x (kv_lora + rope) */
     float *att;                /* n x n_heads x v_dim */
-    float *work;               /* per (row, head): ctx scores + 2 x kv_lora */
+    float *work;               /* per (row, head): ctx scores + 3 x kv_lora */
 } cb_mla;
 
 /* prefix: the layer's attention prefix, e.g. "model.layers.3.self_attn." */

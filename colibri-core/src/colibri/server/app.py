@@ -105,6 +105,27 @@ class Gate:
         await self.app(scope, receive, send)
 
 
+class LossyLabel:
+    """ASGI middleware: with opt-in lossy routing (--experts-k / --experts-top-p), every response says so in an
+    ``X-Colibri-Lossy`` header, so no client can mistake its text for the model's own."""
+
+    def __init__(self, app, label: str):
+        self.app = app
+        self.header = (b"x-colibri-lossy", label.encode("latin-1"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def labelled(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, labelled)
+
+
 async def _drain(receive, limit: int) -> None:
     """Read (and drop) a bounded part of the body first: closing on unread data makes the kernel send a reset,
     which can destroy the error response before the client reads it."""
@@ -186,6 +207,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                                      allow_headers=["authorization", "content-type", "x-api-key",
                                                     "anthropic-version", "openai-organization"]))
     middleware.append(Middleware(Gate, config=config))
+    if config.lossy:
+        middleware.append(Middleware(LossyLabel, label=config.lossy))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
     app.state.config = config

@@ -25,3 +25,4 @@ class ServerConfig:
     max_body: int = DEFAULT_MAX_BODY
     family: str = ""
     created: int = 0                       # unix time the server started (the model's "created")
+    lossy: str = ""                        # opt-in lossy routing ("experts-k=4"), labelled on every response

@@ -1,0 +1,50 @@
+"""The streaming switches from the CLI to the engine's argv, their validation, and how results are labelled."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from colibri.errors import UsageError
+from colibri.launch import Streaming, staging_stages
+from colibri.server.app import LossyLabel
+from colibri.streaming import stats_line
+
+
+def test_auto_switches_follow_the_cache():
+    auto = Streaming()
+    assert auto.engine_args(partial_cache=True) == ("--prefetch", "on", "--pin", "on", "--io", "auto")
+    assert auto.engine_args(partial_cache=False) == ("--prefetch", "off", "--pin", "off", "--io", "auto")
+    forced = Streaming(prefetch=False, pin=True, io="direct", experts_k=4, experts_top_p=0.9)
+    assert forced.engine_args(partial_cache=True) == ("--prefetch", "off", "--pin", "on", "--io", "direct",
+                                                      "--experts-k", "4", "--experts-top-p", "0.9")
+    assert Streaming(experts_top_p=1.0).engine_args(False)[-2:] == ("--io", "auto")   # 1.0 keeps every expert
+    assert staging_stages(8) == 16 and staging_stages(1) == 4
+
+
+@pytest.mark.parametrize("bad, flag", [(Streaming(io="mmap"), "--io mmap"), (Streaming(experts_k=0), "--experts-k"),
+                                       (Streaming(experts_top_p=1.5), "--experts-top-p")])
+def test_bad_values_name_their_flag(bad, flag):
+    with pytest.raises(UsageError, match=flag):
+        bad.check()
+
+
+def test_stats_line_shows_switches_phases_and_lossy_routing():
+    stats = {"prefilled_tokens": 4, "prefill_tps": 10.0, "generated_tokens": 2, "decode_tps": 5.0, "hit_rate": 0.5,
+             "io": "direct", "prefetch": True, "pin": True, "pinned_experts": 6, "prefetch_issued": 10,
+             "prefetch_used": 7, "lookahead_recall": 0.625, "io_wait_s": 0.5, "expert_s": 1.0, "attention_s": 0.25,
+             "other_s": 0.25, "lossy": "experts-k=2"}
+    line = stats_line(stats)
+    assert "io direct, prefetch on, pin on (6 pinned), prefetched 7/10 used, lookahead recall 62%" in line
+    assert "time: I/O wait 0.50s, experts 1.00s, attention 0.25s, other 0.25s" in line
+    assert line.endswith("LOSSY routing: experts-k=2")
+    assert "LOSSY" not in stats_line({**stats, "lossy": ""})
+
+
+def test_every_response_of_a_lossy_server_is_labelled():
+    app = Starlette(routes=[Route("/x", lambda request: PlainTextResponse("hi"))])
+    client = TestClient(LossyLabel(app, "experts-k=4"))
+    assert client.get("/x").headers["x-colibri-lossy"] == "experts-k=4"
