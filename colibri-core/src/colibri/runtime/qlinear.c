@@ -12,6 +12,13 @@
  * is written through a const index: it is a memo of what the (immutable) files say, not a change to them. */
 static char native_marker;
 
+static void free_container(void *quant) {
+    if (quant && quant != &native_marker) {
+        cb_qc_close(quant);
+        free(quant);
+    }
+}
+
 int cb_qc_of(const cb_st_index *idx, const cb_qcontainer **out, char *err, size_t errlen) {
     cb_st_index *mut = (cb_st_index *)idx;
     if (!mut->quant) {
@@ -31,17 +38,16 @@ int cb_qc_of(const cb_st_index *idx, const cb_qcontainer **out, char *err, size_
         } else {
             mut->quant = c;
         }
+        mut->quant_free = free_container;
     }
     *out = mut->quant == &native_marker ? NULL : mut->quant;
     return 0;
 }
 
 void cb_qc_release(cb_st_index *idx) {
-    if (idx->quant && idx->quant != &native_marker) {
-        cb_qc_close(idx->quant);
-        free(idx->quant);
-    }
+    free_container(idx->quant);
     idx->quant = NULL;
+    idx->quant_free = NULL;
 }
 
 static const char *kind_name(cb_qc_kind k) {

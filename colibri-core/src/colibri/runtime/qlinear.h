@@ -20,7 +20,7 @@
 
 /* 0 with *out = the container, or NULL for a native checkpoint; -1 with a message when the stamp is refused. */
 int cb_qc_of(const cb_st_index *idx, const cb_qcontainer **out, char *err, size_t errlen);
-/* Free what cb_qc_of cached on idx (cb_st_close calls it). */
+/* Free what cb_qc_of cached on idx now (cb_st_close does it through idx->quant_free). */
 void cb_qc_release(cb_st_index *idx);
 
 /* Load `name` as a quantized [rows, cols] matrix when the container stores it so: 0 loaded (*buf owns the

@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include "json.h"
-#include "qlinear.h"
 
 #define MAX_HEADER_BYTES (100u * 1024u * 1024u)
 
@@ -355,7 +354,7 @@ int cb_st_open(cb_st_index *idx, const char *model_dir, char *err, size_t errlen
 }
 
 void cb_st_close(cb_st_index *idx) {
-    cb_qc_release(idx);
+    if (idx->quant_free) idx->quant_free(idx->quant);
     for (int i = 0; i < idx->n_shards; i++) {
         if (idx->fds[i] >= 0) close(idx->fds[i]);
         free(idx->shard_paths[i]);

@@ -35,6 +35,7 @@ typedef struct {
     int table_size;
     void *quant;               /* qlinear.c's memo: the colibri-quant container (cb_qcontainer), a native marker,
                                 * or NULL before anyone asked (cb_qc_of) */
+    void (*quant_free)(void *quant);   /* how cb_st_close frees it (set with it; no link-time dependency) */
 } cb_st_index;
 
 /* Open model_dir/model.safetensors.index.json (its weight_map's shards) or else every *.safetensors in the
