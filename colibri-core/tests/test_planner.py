@@ -125,16 +125,29 @@ def test_plan_command_with_given_budget(olmoe_family, tiny_olmoe):
     assert set(data) >= {f for f in ResourcePlan.__dataclass_fields__}
 
 
-def test_plan_defaults_to_available_ram_and_measures_the_disk(olmoe_family, tiny_olmoe, monkeypatch):
+def test_plan_defaults_to_available_ram_and_reads_no_weights(olmoe_family, tiny_olmoe, monkeypatch, tmp_path):
     measured = []
+    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sysinfo, "memory",
                         lambda: sysinfo.MemoryInfo(3 * 1024**3, 5 * 1024**3, 8 * 1024**3, 3 * 1024**3, 0, 2))
     monkeypatch.setattr(sysinfo, "measure_read_bandwidth", lambda path: measured.append(path) or 1.5e9)
     result, data = plan_json("--model", str(tiny_olmoe.path))
     assert result.exit_code == 0, result.output
     assert data["ram_bytes"] == 3 * 1024**3 and data["sources"]["ram"] == "cgroup v2 limit"
-    assert measured == [tiny_olmoe.path / "model.safetensors"] and data["disk_bandwidth"] == 1.5e9
+    assert measured == [] and data["disk_bandwidth"] == 0 and "--measure-disk" in data["sources"]["disk_bandwidth"]
     assert data["ctx"] == 4096  # the default, within the model's 4096
+
+
+def test_plan_measure_disk_reads_once_and_is_remembered(olmoe_family, tiny_olmoe, monkeypatch, tmp_path):
+    measured = []
+    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sysinfo, "measure_read_bandwidth", lambda path: measured.append(path) or 1.5e9)
+    result, data = plan_json("--model", str(tiny_olmoe.path), "--ram", "1", "--measure-disk")
+    assert result.exit_code == 0, result.output
+    assert measured == [tiny_olmoe.path / "model.safetensors"] and data["disk_bandwidth"] == 1.5e9
+    result, data = plan_json("--model", str(tiny_olmoe.path), "--ram", "1")
+    assert result.exit_code == 0, result.output
+    assert len(measured) == 1 and data["disk_bandwidth"] == 1.5e9
 
 
 def test_plan_that_does_not_fit_exits_1_with_the_numbers(olmoe_family, tiny_olmoe):

@@ -59,16 +59,19 @@ def config() -> dict:
 
 
 class Pool:
-    """Random bf16 values: one large N(0,1) pool, sliced at random offsets and scaled per fan-in (in f32, then
-    truncated to bf16). Distinct slices keep every expert distinct at a fraction of the cost of fresh draws."""
+    """Random bf16 values: one N(0,1) pool truncated to bf16 once per scale, sliced at random offsets. Distinct
+    slices keep every expert distinct, and writing becomes a copy of existing bytes (the disk is the limit)."""
 
     def __init__(self, seed: int, n: int = 1 << 27):
         self.rng = np.random.default_rng(seed)
         self.f32 = self.rng.standard_normal(n, dtype=np.float32)
+        self.scaled: dict[float, np.ndarray] = {}
 
     def bf16(self, count: int, scale: float) -> np.ndarray:
+        if scale not in self.scaled:
+            self.scaled[scale] = ((self.f32 * np.float32(scale)).view(np.uint32) >> 16).astype(np.uint16)
         start = int(self.rng.integers(0, self.f32.size - count))
-        return ((self.f32[start:start + count] * np.float32(scale)).view(np.uint32) >> 16).astype(np.uint16)
+        return self.scaled[scale][start:start + count]
 
 
 def bf16_of(x: np.ndarray) -> np.ndarray:
@@ -155,13 +158,16 @@ def build_checkpoint(out: Path, skew: bool, experts_from: Path | None) -> Path:
     pool = Pool(seed=2 if skew else 1)
     weight_map = {}
     dense = dense_tensors(pool, skew)
-    log(f"writing {out.name}: dense shard")
-    write_shard(out / "model-dense.safetensors", dense)
+    if not (out / "model-dense.safetensors").is_file():   # shards appear atomically: a present one is whole
+        log(f"writing {out.name}: dense shard")
+        write_shard(out / "model-dense.safetensors", dense)
     weight_map.update({n: "model-dense.safetensors" for n in shard_names(dense)})
     for layer in range(GEOM["layers"]):
         name = f"model-experts-{layer:02d}.safetensors"
         tensors = expert_tensors(pool, layer)
-        if experts_from is not None:
+        if (out / name).is_file():
+            pass
+        elif experts_from is not None:
             os.link(experts_from / name, out / name)   # the variant differs only in embeddings and routers
         else:
             log(f"writing {out.name}: experts of layer {layer}")
@@ -428,11 +434,23 @@ def main() -> int:
     drop_caches()
     bw = disk_bandwidth(base / "model-experts-00.safetensors")
     log(f"disk {disk}: {bw / 1e9:.2f} GB/s sequential O_DIRECT; model {model_bytes / 1e9:.1f} GB")
-    llama_dir = None
-    try:
-        llama_dir = ensure_llama_cpp()
-    except (subprocess.CalledProcessError, OSError) as exc:
-        log(f"llama.cpp unavailable: {exc}")
+    llama_state: dict = {}
+
+    def llama_gguf(model: Path) -> Path | None:
+        """llama.cpp set up on first use, so colibri's figures arrive while the wheel still builds."""
+        if "dir" not in llama_state:
+            try:
+                llama_state["dir"] = ensure_llama_cpp()
+            except (subprocess.CalledProcessError, OSError) as exc:
+                log(f"llama.cpp unavailable: {exc}")
+                llama_state["dir"] = None
+        if llama_state["dir"] is None:
+            return None
+        try:
+            return ensure_gguf(llama_state["dir"], model)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            log(f"GGUF conversion failed: {exc}")
+            return None
     original_ra = int(readahead_file(disk).read_text()) if readahead_file(disk).is_file() else 0
     cap_bytes = model_bytes // 3
     results: dict = {"machine": machine(), "disk": disk, "disk_bandwidth": bw, "model_bytes": model_bytes,
@@ -440,7 +458,6 @@ def main() -> int:
                      "precision": "bf16 (colibri int8/int4 containers not yet runnable by the OLMoE engine)",
                      "runs": []}
     for model, locality in ((base, False), (skew, True)):
-        gguf = ensure_gguf(llama_dir, model) if llama_dir else None
         for scenario in ("in_ram", "capped"):
             group = None
             try:
@@ -449,6 +466,7 @@ def main() -> int:
                 for engine in ("colibri", "llama.cpp"):   # alternate A/B inside each scenario
                     ras = [original_ra] if engine == "colibri" else sorted({128, original_ra})
                     for ra in ras:
+                        gguf = llama_gguf(model) if engine == "llama.cpp" else None
                         if engine == "llama.cpp" and not gguf:
                             continue
                         set_readahead(disk, ra)

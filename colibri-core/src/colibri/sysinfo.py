@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -165,3 +166,28 @@ def measure_read_bandwidth(path: Path, max_bytes: int = 256 * 1024 * 1024, max_s
     finally:
         os.close(fd)
     return done / elapsed if done and elapsed > 0 else 0.0
+
+
+def _bandwidth_cache_file(path: Path) -> Path:
+    from .cachedir import cache_root
+
+    return cache_root() / "disk" / f"read-bandwidth-dev{os.stat(path).st_dev}.json"
+
+
+def cached_read_bandwidth(path: Path) -> float | None:
+    """A bandwidth measured earlier (``coli plan --measure-disk``) on the device holding ``path``, if any."""
+    try:
+        data = json.loads(_bandwidth_cache_file(path).read_text(encoding="utf-8"))
+        value = float(data["bytes_per_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if value > 0 else None
+
+
+def remember_read_bandwidth(path: Path, bytes_per_s: float) -> None:
+    """Keep a measurement for the device holding ``path`` (atomic write: a crash leaves the old value or none)."""
+    target = _bandwidth_cache_file(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"bytes_per_s": bytes_per_s, "measured_on": str(path)}), encoding="utf-8")
+    os.replace(tmp, target)

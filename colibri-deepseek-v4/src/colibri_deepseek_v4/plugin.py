@@ -15,7 +15,8 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    TensorLayout,
 )
 
 FAMILY = "deepseek-v4"
@@ -298,7 +299,92 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
         skipped_prefixes=skipped)
 
 
+# Model types the engine (engine/deepseek.c) runs; deepseek_v4's compressed attention has no engine yet.
+ENGINE_TYPES = ("deepseek_v3", "deepseek_v32")
+# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
+QUANT_SCHEMES = ("int8-row", "int4-g64")
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
+    if model.model_type in ENGINE_TYPES:
+        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+                  reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
+
+
+ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
+# RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' DeepseekV3Config defaults, for configs that omit a field.
+V3_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6, n_shared_experts=1)
+
+
+def _check_router(cfg: Mapping[str, Any], where: str) -> None:
+    """transformers' DeepSeek-V3 router is sigmoid + noaux_tc whatever the config says; a config naming another
+    scoring or selection was written for a different router, whose tokens this engine would not reproduce."""
+    for key, want in V3_ROUTER_DEFAULTS.items():
+        value = cfg.get(key)
+        if value is not None and value != want:
+            raise ConfigError(f"{where}: {key} {value!r} is not supported by the deepseek engine",
+                              f"the engine implements {key} {want!r} (DeepSeek-V3's router)")
+
+
+def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
+    """The ``--set key=value`` arguments of the DeepSeek engine, resolved from config.json."""
+    cfg, where = model.config, _where(model)
+    if model.model_type not in ENGINE_TYPES:
+        raise ConfigError(f"{where}: no engine for {model.model_type} yet",
+                          f"the deepseek engine runs {', '.join(ENGINE_TYPES)}")
+    r = _read_mla(cfg, where)
+    _check_router(cfg, where)
+    n = r["layers"]
+    rope = configs.rope(cfg)
+    if rope.rope_type not in ENGINE_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the deepseek engine yet",
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)} (YaRN is not implemented)")
+    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
+    values: dict[str, Any] = dict(
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
+        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
+        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
+        n_shared_experts=int(d["n_shared_experts"]), n_group=int(d["n_group"]), topk_group=int(d["topk_group"]),
+        norm_topk_prob=int(bool(cfg.get("norm_topk_prob", True))),
+        routed_scaling_factor=repr(float(d["routed_scaling_factor"])), rms_norm_eps=repr(float(d["rms_norm_eps"])),
+        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
+        attention_bias=int(bool(cfg.get("attention_bias", False))),
+        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
+        rope_theta=repr(rope.theta), rope_type=rope.rope_type, q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"],
+        qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"], v_head_dim=r["v_dim"],
+    )
+    if model.model_type == "deepseek_v32":
+        if not r["q_lora"]:
+            raise ConfigError(f"{where}: deepseek_v32 needs 'q_lora_rank' (the indexer reads the q latent)",
+                              "restore the checkpoint's original config.json")
+        values.update(attention="dsa",
+                      index_n_heads=configs.optional_int(cfg, "index_n_heads", default=64, where=where),
+                      index_head_dim=configs.optional_int(cfg, "index_head_dim", default=128, where=where),
+                      index_topk=configs.optional_int(cfg, "index_topk", default=2048, where=where))
+    else:
+        values.update(attention="mla", rope_interleave=int(bool(cfg.get("rope_interleave", True))))
+    scaling = rope.scaling or {}
+    if rope.rope_type in ("linear", "llama3"):
+        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+@hookimpl
+def engine_source() -> EngineSource:
+    return EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C,))
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv(args=engine_hparams(model))

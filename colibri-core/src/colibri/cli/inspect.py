@@ -127,7 +127,7 @@ def _largest_shard(facts: ModelFacts) -> Path:
 
 
 def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots: int,
-                 disk_bw: float | None, cap: int = 0) -> tuple[PlanRequest, dict[str, str]]:
+                 disk_bw: float | None, cap: int = 0, measure_disk: bool = False) -> tuple[PlanRequest, dict[str, str]]:
     """Validate the flags against the family's limits and fill in RAM and bandwidth from the machine."""
     sources: dict[str, str] = {}
     g, limits = facts.geometry, facts.limits
@@ -160,10 +160,19 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
             raise UsageError(f"--disk-bw {disk_bw:g}: must be more than 0 GB/s", "pass --disk-bw 2.5, say")
         bandwidth = disk_bw * GB
         sources["disk_bandwidth"] = "--disk-bw"
-    else:
+    elif measure_disk:
+        # Reading a shard is the one way to know the disk, and the only weight bytes plan ever reads: opt-in.
         shard = _largest_shard(facts)
         bandwidth = sysinfo.measure_read_bandwidth(shard)
+        if bandwidth > 0:
+            sysinfo.remember_read_bandwidth(shard, bandwidth)
         sources["disk_bandwidth"] = f"measured reading {shard.name}"
+    else:
+        shard = _largest_shard(facts)
+        cached = sysinfo.cached_read_bandwidth(shard)
+        bandwidth = cached or 0.0
+        sources["disk_bandwidth"] = ("measured earlier on this disk (--measure-disk)" if cached else
+                                     "unknown: pass --disk-bw GB/s or --measure-disk")
     return PlanRequest(ram_bytes=ram_bytes, ctx=ctx, kv_slots=kv_slots, disk_bandwidth=bandwidth, cap=cap), sources
 
 
@@ -198,13 +207,16 @@ def plan_command(
                                       "or the model's maximum, if smaller)."),
     kv_slots: int = typer.Option(1, "--kv-slots", metavar="N", help="Concurrent sequences (KV slots)."),
     disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s",
-                                            help="Disk read bandwidth in GB/s. Default: measured on the "
-                                                 "largest shard."),
+                                            help="Disk read bandwidth in GB/s. Default: the last --measure-disk "
+                                                 "result for this disk, else unknown."),
+    measure_disk: bool = typer.Option(False, "--measure-disk",
+                                      help="Measure the disk by reading up to 256 MB of the largest shard (the "
+                                           "only weight bytes plan ever reads) and remember the result."),
     as_json: bool = JsonOption,
 ) -> None:
     """Place the model in RAM: dense, KV, reserve and expert cache slots per layer, and the disk-bound speed."""
     facts = load_facts(resolve_model(model, family))
-    request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw)
+    request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw, measure_disk=measure_disk)
     plan = make_plan(facts, request)
     if as_json:
         emit_json({"model": str(facts.model.path), "family": facts.model.family, "ctx": request.ctx,
@@ -234,6 +246,8 @@ def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sou
                                      f"{plan.moe_layers} layers)")]
     if plan.disk_bandwidth:
         rows.append(("disk bandwidth", f"{plan.disk_bandwidth / GB:.2f} GB/s ({sources['disk_bandwidth']})"))
+    else:
+        rows.append(("disk bandwidth", sources["disk_bandwidth"]))
     if plan.disk_bound_tokens_per_s:
         rows.append(("disk-bound speed", f"{plan.disk_bound_tokens_per_s:.2f} tok/s when every routed expert "
                                          "misses the cache"))
