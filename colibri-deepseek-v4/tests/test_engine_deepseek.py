@@ -37,8 +37,16 @@ PAD = 1
 # name -> (kind, tiny_model overrides). DSA: 8 indexer heads (with 2, keys often score exactly 0 on every head
 # and top-k ties are broken by torch in an unspecified order). index_topk 128 >= the whole sequence (72 tokens)
 # must equal dense MLA; index_topk 8 is well below it and must equal transformers' sparse selection.
+# YaRN as DeepSeek-V3 / Kimi K2 ship it, shrunk so a 72-token sequence crosses the original context (16) and
+# mscale != mscale_all_dim makes both the cos/sin factor and DeepSeek's softmax-scale adjustment differ from 1.
+YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+
 CASES = {
     "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_yarn": ("deepseek_v3", dict(rope_parameters=YARN)),
+    "deepseek_v32_yarn_sparse": ("deepseek_v32", dict(index_topk=8, index_n_heads=8,
+                                                      rope_parameters=dict(YARN, mscale_all_dim=1.0))),
     "deepseek_v3_qproj_halfsplit_bias": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False,
                                                               attention_bias=True)),
     "deepseek_v32_dense": ("deepseek_v32", dict(index_topk=128, index_n_heads=8)),
@@ -131,8 +139,8 @@ def test_dsa_sparse_selection_is_active(engine_binary, tiny_root):
 
 def test_unsupported_configs_are_refused(tiny_root):
     model = resolved(tiny_model("deepseek_v3", tiny_root, seed=0).path)
-    yarn = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
-    for change, match in ((dict(rope_parameters=yarn), "yarn"), (dict(scoring_func="softmax"), "scoring_func"),
+    dynamic = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 4.0}
+    for change, match in ((dict(rope_parameters=dynamic), "dynamic"), (dict(scoring_func="softmax"), "scoring_func"),
                           (dict(topk_method="greedy"), "topk_method")):
         cfg = dict(model.config, **change)
         with pytest.raises(ConfigError, match=match):

@@ -206,7 +206,7 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
         print_warning(f"lossy routing ({streaming.lossy_label()}): tokens will differ from the model's own routing")
     partial = 0 < plan.cache_slots_per_layer < plan.experts_per_layer
     engine_cap = plan.cache_slots_per_layer
-    if partial and (streaming.prefetch is None or streaming.prefetch):
+    if partial and not cap and (streaming.prefetch is None or streaming.prefetch):   # an explicit --cap is obeyed
         engine_cap = max(1, engine_cap - staging_slots(facts, plan))
     argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", str(engine_cap), "--threads", str(threads),

@@ -9,6 +9,7 @@ layer), keeps one KV head, and hash-routes tokens in its first layers.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -315,7 +316,7 @@ def limits(model: ResolvedModel) -> Limits:
 
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
-ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
 V3_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6, n_shared_experts=1)
 
@@ -330,6 +331,49 @@ def _check_router(cfg: Mapping[str, Any], where: str) -> None:
                               f"the engine implements {key} {want!r} (DeepSeek-V3's router)")
 
 
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
+    """RoPE scaling settings as the engine reads them, and the softmax scale: DeepSeek multiplies
+    qk_head_dim^-0.5 by mscale(factor, mscale_all_dim)^2 whenever the rope type is not default. YaRN's cos/sin
+    factor follows transformers' _compute_yarn_parameters."""
+    scaling, values = rope.scaling or {}, {}
+    scale = qk_head_dim ** -0.5
+    if rope.rope_type in ("linear", "llama3", "yarn"):
+        factor = scaling.get("factor")
+        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
+            factor = cfg["max_position_embeddings"] / orig
+        if factor is None:
+            raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
+                              "restore the checkpoint's original config.json")
+        values["rope_factor"] = repr(float(factor))
+        if scaling.get("mscale_all_dim"):
+            scale *= _yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"])) ** 2
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    if rope.rope_type == "yarn":
+        if not orig:
+            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
+                              "restore the checkpoint's original config.json")
+        factor = float(values["rope_factor"])
+        attention = scaling.get("attention_factor")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if attention is None:
+            attention = (_yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else _yarn_get_mscale(factor))
+        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
+                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
+                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
+                      rope_truncate=int(bool(scaling.get("truncate", True))))
+    values["attention_scale"] = repr(scale)
+    return values
+
+
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the DeepSeek engine, resolved from config.json."""
     cfg, where = model.config, _where(model)
@@ -342,7 +386,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     rope = configs.rope(cfg)
     if rope.rope_type not in ENGINE_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the deepseek engine yet",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)} (YaRN is not implemented)")
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
     d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
     values: dict[str, Any] = dict(
         hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
@@ -358,6 +402,12 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"], v_head_dim=r["v_dim"],
     )
     if model.model_type == "deepseek_v32":
+        if float(values.get("rope_attention_factor", 1.0)) != 1.0:
+            # The runtime scales a rotated vector whole; the indexer rotates only part of its key, which
+            # transformers leaves unscaled.
+            raise ConfigError(f"{where}: yarn attention factor {values['rope_attention_factor']} (mscale != "
+                              "mscale_all_dim) is not supported with the DSA indexer",
+                              "DeepSeek-V3.2's released config has mscale == mscale_all_dim")
         if not r["q_lora"]:
             raise ConfigError(f"{where}: deepseek_v32 needs 'q_lora_rank' (the indexer reads the q latent)",
                               "restore the checkpoint's original config.json")
@@ -367,13 +417,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
                       index_topk=configs.optional_int(cfg, "index_topk", default=2048, where=where))
     else:
         values.update(attention="mla", rope_interleave=int(bool(cfg.get("rope_interleave", True))))
-    scaling = rope.scaling or {}
-    if rope.rope_type in ("linear", "llama3"):
-        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
     args: list[str] = []
     for key, value in values.items():
         args += ["--set", f"{key}={value}"]

@@ -8,13 +8,15 @@ lives under ``block_sparse_moe`` with experts stored as ``w1`` (gate) / ``w3`` (
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    TensorLayout,
 )
 
 FAMILY = "kimi"
@@ -178,7 +180,118 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
+# Model types the engine (engine/kimi.c) runs; Kimi Linear's KDA layers have no engine yet.
+ENGINE_TYPES = ("kimi_k2",)
+# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
+QUANT_SCHEMES = ("int8-row", "int4-g64")
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
+    if model.model_type in ENGINE_TYPES:
+        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+                  reason_no_engine=f"no engine for {model.model_type} (KDA linear attention) yet")
+
+
+ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
+# RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
+# noaux_tc whatever the config says.
+K2_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
+K2_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
+    """RoPE scaling settings as the engine reads them, and the softmax scale: DeepSeek multiplies
+    qk_head_dim^-0.5 by mscale(factor, mscale_all_dim)^2 whenever the rope type is not default. YaRN's cos/sin
+    factor follows transformers' _compute_yarn_parameters."""
+    scaling, values = rope.scaling or {}, {}
+    scale = qk_head_dim ** -0.5
+    if rope.rope_type in ("linear", "llama3", "yarn"):
+        factor = scaling.get("factor")
+        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
+            factor = cfg["max_position_embeddings"] / orig
+        if factor is None:
+            raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
+                              "restore the checkpoint's original config.json")
+        values["rope_factor"] = repr(float(factor))
+        if scaling.get("mscale_all_dim"):
+            scale *= _yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"])) ** 2
+    if rope.rope_type == "llama3":
+        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
+        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
+        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    if rope.rope_type == "yarn":
+        if not orig:
+            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
+                              "restore the checkpoint's original config.json")
+        factor = float(values["rope_factor"])
+        attention = scaling.get("attention_factor")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if attention is None:
+            attention = (_yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else _yarn_get_mscale(factor))
+        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
+                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
+                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
+                      rope_truncate=int(bool(scaling.get("truncate", True))))
+    values["attention_scale"] = repr(scale)
+    return values
+
+
+def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
+    """The ``--set key=value`` arguments of the Kimi K2 engine, resolved from config.json."""
+    where = str(model.path / "config.json")
+    if model.model_type not in ENGINE_TYPES:
+        raise ConfigError(f"{where}: no engine for {model.model_type} yet",
+                          f"the kimi engine runs {', '.join(ENGINE_TYPES)}")
+    r = _read(model)
+    cfg, n = r["cfg"], r["layers"]
+    for key, want in K2_ROUTER.items():
+        if cfg.get(key) is not None and cfg[key] != want:
+            raise ConfigError(f"{where}: {key} {cfg[key]!r} is not supported by the kimi engine",
+                              f"the engine implements {key} {want!r} (the DeepSeek-V3 router Kimi K2 uses)")
+    rope = configs.rope(cfg)
+    if rope.rope_type not in ENGINE_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the kimi engine yet",
+                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
+    d = {k: configs.first_of(cfg, k, default=v) for k, v in K2_DEFAULTS.items()}
+    values: dict[str, Any] = dict(
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
+        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
+        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
+        n_shared_experts=r["shared"],
+        n_group=int(configs.first_of(cfg, "n_group", "num_expert_group", default=d["n_group"])),
+        topk_group=int(d["topk_group"]),
+        norm_topk_prob=int(bool(configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True))),
+        routed_scaling_factor=repr(float(d["routed_scaling_factor"])), rms_norm_eps=repr(float(d["rms_norm_eps"])),
+        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
+        attention_bias=int(bool(cfg.get("attention_bias", False))),
+        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
+        rope_theta=repr(rope.theta), rope_type=rope.rope_type, q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"],
+        qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"],
+        v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
+        rope_interleave=int(bool(cfg.get("rope_interleave", True))),
+    )
+    values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+@hookimpl
+def engine_source() -> EngineSource:
+    return EngineSource(name="colibri-kimi", sources=(ENGINE_C,))
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+    return EngineEnv(args=engine_hparams(model))

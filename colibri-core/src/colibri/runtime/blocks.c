@@ -106,6 +106,48 @@ void cb_clamp(float *x, size_t n, float limit) {
 
 /* ---- rotary position embedding ---- */
 
+/* YaRN, as transformers' _compute_yarn_parameters: frequencies rotating fewer than beta_slow times over the
+ * original context are interpolated (divided by factor), those rotating more than beta_fast times are kept, with
+ * a linear ramp between. The cos/sin scale (rope_attention_factor) is resolved by the plugin from the config's
+ * attention_factor / mscale / mscale_all_dim, since models disagree on how to derive it. */
+static int cb_rope_yarn(cb_rope *r, cb_hparams *hp, float theta, float factor, int orig_max, char *err,
+                        size_t errlen) {
+    float beta_fast = 32.0f, beta_slow = 1.0f, attention_factor = 1.0f;
+    int truncate = 1;
+    if (cb_hp_float_opt(hp, "rope_beta_fast", &beta_fast, err, errlen) ||
+        cb_hp_float_opt(hp, "rope_beta_slow", &beta_slow, err, errlen) ||
+        cb_hp_bool_opt(hp, "rope_truncate", &truncate, err, errlen) ||
+        cb_hp_float_opt(hp, "rope_attention_factor", &attention_factor, err, errlen))
+        return -1;
+    if (orig_max < 1 || beta_fast <= 0 || beta_slow <= 0 || attention_factor <= 0) {
+        snprintf(err, errlen, "--set rope_original_max_position / rope_beta_* / rope_attention_factor out of range");
+        return -1;
+    }
+    int dim = r->rot_dim;
+    /* the dimension index whose frequency completes `rotations` turns over the original context (in double) */
+#define CORRECTION_DIM(rotations) \
+    ((double)dim * log((double)orig_max / ((double)(rotations) * 2.0 * M_PI)) / (2.0 * log((double)theta)))
+    double low = CORRECTION_DIM(beta_fast), high = CORRECTION_DIM(beta_slow);
+#undef CORRECTION_DIM
+    if (truncate) {
+        low = floor(low);
+        high = ceil(high);
+    }
+    if (low < 0) low = 0;
+    if (high > dim - 1) high = dim - 1;
+    if (low == high) high += 0.001;
+    for (int i = 0; i < dim / 2; i++) {
+        float pos_freq = powf(theta, (float)(2 * i) / (float)dim);
+        float extrapolated = 1.0f / pos_freq, interpolated = 1.0f / (factor * pos_freq);
+        float ramp = ((float)i - (float)low) / (float)(high - low);
+        ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+        float keep = 1.0f - ramp;
+        r->inv_freq[i] = interpolated * (1.0f - keep) + extrapolated * keep;
+    }
+    r->attention_factor = attention_factor;
+    return 0;
+}
+
 int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, size_t errlen) {
     memset(r, 0, sizeof *r);
     float theta = 0, partial = 1.0f, factor = 1.0f, low = 1.0f, high = 4.0f;
@@ -164,7 +206,14 @@ int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, 
         }
         return 0;
     }
-    snprintf(err, errlen, "--set rope_type=%s is not supported (default, linear, llama3)", type);
+    if (strcmp(type, "yarn") == 0) {
+        if (cb_rope_yarn(r, hp, theta, factor, orig_max, err, errlen)) {
+            cb_rope_free(r);
+            return -1;
+        }
+        return 0;
+    }
+    snprintf(err, errlen, "--set rope_type=%s is not supported (default, linear, llama3, yarn)", type);
     cb_rope_free(r);
     return -1;
 }
