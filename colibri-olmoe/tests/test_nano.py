@@ -17,10 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from colibri_olmoe.plugin import NANO_DIR, engine_hparams  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "train_nano.py"
-PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):")
+# Candidates in order; the first three whose greedy path has no near-tie are compared (a trained model can have a
+# genuine tie, where summation order legitimately picks either token).
+PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
+           "    def __repr__(self):\n        return", "for key, value in", "if __name__ == '__main__':\n")
+COMPARED = 3
 GREEDY_TOKENS = 32
-LOGIT_TOL = 1e-3     # bf16 weights upcast exactly on both sides, f32 arithmetic: only summation order differs
-MIN_MARGIN = 1e-2    # every greedy step's top-1/top-2 gap, so the token comparison cannot flip on rounding
+LOGIT_TOL = 1e-4     # bf16 weights upcast exactly on both sides, f32 arithmetic: only summation order differs
+MIN_MARGIN = 1e-3    # every greedy step's top-1/top-2 gap, ten times the tolerance: rounding cannot flip it
 
 
 def metrics() -> dict:
@@ -83,16 +87,22 @@ def test_engine_greedy_equals_transformers_on_the_shipped_checkpoint(reference):
     resolved = ResolvedModel(NANO_DIR, "olmoe", "olmoe", read_config(NANO_DIR))
     argv = [str(build_family("olmoe")), "--model", str(NANO_DIR), "--ctx", "256", "--slots", "1", "--cap", "8",
             "--threads", "2", *engine_hparams(resolved)]
+    compared = []
     with Engine(argv, env={"COLIBRI_PREFETCH": "0"}) as engine:
         for prompt in PROMPTS:
+            if len(compared) == COMPARED:
+                break
             ids = tok.encode(prompt)
             want, ref_logits, margin = greedy_reference(reference, ids)
-            assert margin >= MIN_MARGIN, f"{prompt!r}: a near-tie ({margin:.2g}) makes the comparison moot"
+            if margin < MIN_MARGIN:
+                continue
+            compared.append(prompt)
             engine.reset(0)
             got = engine.generate(ids, max_tokens=GREEDY_TOKENS, logits=True)
             diff = (torch.tensor(got.logits) - ref_logits).abs().max().item()
             assert diff < LOGIT_TOL, f"{prompt!r}: prompt logits differ by {diff}"
             assert got.tokens == want, f"{prompt!r}: {tok.decode(got.tokens)!r} != {tok.decode(want)!r}"
+    assert len(compared) == COMPARED, f"only {compared} of the candidate prompts are free of near-ties"
 
 
 def test_training_script_reproduces_the_first_step_loss():
