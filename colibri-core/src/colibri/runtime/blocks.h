@@ -57,8 +57,10 @@ typedef struct {
     float attention_factor;    /* scales cos and sin (YaRN-style types); 1 otherwise */
 } cb_rope;
 
-/* Read rope_theta (required), rope_type (default|linear|llama3), rope_factor, rope_low_freq_factor,
- * rope_high_freq_factor, rope_original_max_position and partial_rotary_factor from the hyperparameters. */
+/* Read rope_theta (required), rope_type (default|linear|llama3|yarn), rope_factor, rope_low_freq_factor,
+ * rope_high_freq_factor, rope_original_max_position and partial_rotary_factor from the hyperparameters; yarn also
+ * reads rope_beta_fast, rope_beta_slow, rope_truncate and rope_attention_factor (the cos/sin scale, resolved by
+ * the plugin). */
 int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, size_t errlen);
 void cb_rope_free(cb_rope *r);
 void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int pos);
