@@ -34,6 +34,9 @@ def parse_args(argv):
         if a in ("--model", "--ctx", "--slots", "--cap", "--threads"):
             opts[a[2:]] = argv[i + 1] if a == "--model" else int(argv[i + 1])
             i += 2
+        elif a in ("--prefetch", "--pin", "--io", "--moe-union", "--experts-k", "--experts-top-p"):
+            opts[a[2:]] = argv[i + 1]   # streaming options: accepted like the real engine, no effect on tokens
+            i += 2
         elif a == "--set":
             key, _, value = argv[i + 1].partition("=")
             opts[key] = int(value) if value.lstrip("-").isdigit() else value
