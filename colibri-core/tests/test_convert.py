@@ -585,8 +585,6 @@ def test_cli_convert_prints_summary_and_one_line_errors(tiny_src, tmp_path):
 
     from colibri.cli import app
 
-    if "convert" not in [c.name for c in app.registered_commands]:
-        pytest.skip("coli convert is not registered in colibri.cli yet")
     runner = CliRunner()
     res = runner.invoke(app, ["convert", "--model", str(tiny_src), "--out", str(tmp_path / "o"),
                               "--experts", "int4", "--verify"])

@@ -76,12 +76,8 @@ NAMES = [f"{EXPERT}.gate_proj.weight", f"{EXPERT}.down_proj.weight", "model.laye
 def harness(tmp_path_factory) -> Path:
     from colibri.builder import RUNTIME_DIR, runtime_sources
     from colibri.compiler import CFLAGS, LDLIBS, find_compiler
-    from colibri.errors import BuildError
 
-    try:
-        compiler = find_compiler()
-    except BuildError as exc:
-        pytest.skip(exc.one_line())
+    compiler = find_compiler()   # the suite needs a C compiler (.ci/run installs one): no compiler is a failure
     d = tmp_path_factory.mktemp("harness")
     (d / "harness.c").write_text(HARNESS)
     exe = d / "harness"
