@@ -19,10 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri.convert.quality import default_text, run_quality  # noqa: E402
-from colibri.convert.run import convert  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri.testing.quality import check_container_quality  # noqa: E402
 
 CASES = {  # (kind, experts, dense) -> (min top-1 agreement, max mean KL)
     ("deepseek_v3", "int8", "bf16"): (0.98, 2e-4),
@@ -38,11 +35,4 @@ def root(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", sorted(CASES), ids=lambda c: "-".join(c))
 def test_container_quality_against_the_f32_engine(root, case):
     kind, experts, dense = case
-    src = resolve_model(str(tiny_model(kind, root / "tiny", seed=5, moe_intermediate_size=64).path))
-    out = root / "-".join(case)
-    convert(src, out, experts=experts, dense=dense)
-    min_top1, max_kl = CASES[case]
-    report = run_quality(resolve_model(str(out)), src, [default_text()], positions=512, threads=2)
-    assert report.positions == 512
-    assert report.top1_agreement >= min_top1, report
-    assert 0 < report.mean_kl <= max_kl, report
+    check_container_quality(kind, root, experts, dense, *CASES[case])
