@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +35,27 @@ def read_prompt_file(path: Path) -> str:
                          "convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
+def thinking_switch(source: str) -> str | None:
+    """The template variable that turns reasoning on: ``enable_thinking`` (Qwen3, GLM) or ``thinking`` (DeepSeek
+    V3.1 and later), recognised by how the template tests it, so prose that merely says "thinking" is not taken."""
+    if "enable_thinking" in source:
+        return "enable_thinking"
+    if re.search(r"\bthinking\s+is\s+(?:not\s+)?defined|\bif\s+(?:not\s+)?thinking\b", source):
+        return "thinking"
+    return None
+
+
 def thinking_kwargs(tok: TextTokenizer, think: bool | None) -> dict[str, Any]:
-    """``enable_thinking`` for the chat template (``--think/--no-think``), only when the template reads it (Qwen3's
-    do); asking for it on a template without that switch is refused rather than silently ignored."""
+    """The template's thinking switch set for ``--think/--no-think``, only when the template has one; asking for it
+    on a template without a switch is refused rather than silently ignored."""
     if think is None:
         return {}
-    if not any("enable_thinking" in t.source for t in tok.templates.values()):
+    switch = next((name for t in tok.templates.values() if (name := thinking_switch(t.source))), None)
+    if switch is None:
         flag = "--think" if think else "--no-think"
-        raise UsageError(f"{flag}: this checkpoint's chat template has no enable_thinking switch",
-                         "drop the flag (the model decides whether to think)")
-    return {"enable_thinking": think}
+        raise UsageError(f"{flag}: this checkpoint's chat template has no thinking switch "
+                         "(enable_thinking or thinking)", "drop the flag (the model decides whether to think)")
+    return {switch: think}
 
 
 def build_prompt(tok: TextTokenizer, text: str, chat: bool | None,

@@ -45,6 +45,11 @@ typedef struct {
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
     cb_profile prof;           /* streaming counters and phase times of this sequence's forward passes */
     double forward_s;
+    /* The same three when the prompt was done: done's "decode" object is the difference, so a benchmark gets the
+     * decode phase's hit rate, bytes and time split without the prefill's (which reads most experts once). */
+    cb_expert_counters prefill_count;
+    cb_profile prefill_prof;
+    double prefill_forward_s;
 } slot_t;
 
 typedef struct {
@@ -202,7 +207,15 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     put_counters(b, &s->count);
     put_streaming(b);
     put_profile(b, &s->prof, s->forward_s);
-    cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
+    cb_expert_counters dc = {s->count.hits - s->prefill_count.hits, s->count.misses - s->prefill_count.misses,
+                             s->count.bytes_read - s->prefill_count.bytes_read,
+                             s->count.reads - s->prefill_count.reads};
+    cb_profile dp = {0};
+    add_profile(&dp, &s->prof, &s->prefill_prof);
+    cb_buf_printf(b, ",\"decode\":{\"steps\":%d", s->decode_steps);
+    put_counters(b, &dc);
+    put_profile(b, &dp, s->forward_s - s->prefill_forward_s);
+    cb_buf_printf(b, "},\"rss_bytes\":%zu}", cb_rss_bytes());
     emit(E);
     seq_clear(s);
 }
@@ -257,6 +270,11 @@ static int step(engine_t *E, slot_t *s, char *err) {
         s->prefill_s += now_s() - t0;
         s->next += n;
         E->prefilled_total += (uint64_t)n;
+        if (s->next == s->prompt_len) {
+            s->prefill_count = s->count;
+            s->prefill_prof = s->prof;
+            s->prefill_forward_s = s->forward_s;
+        }
         if (s->kv.state && s->next == s->prompt_len) {
             memcpy(s->snap, s->kv.state, E->info.state_bytes);
             s->snap_pos = s->n_tokens;
@@ -460,6 +478,9 @@ static void do_submit(engine_t *E, cb_json *req) {
     memset(&s->count, 0, sizeof s->count);
     memset(&s->prof, 0, sizeof s->prof);
     s->forward_s = 0;
+    memset(&s->prefill_count, 0, sizeof s->prefill_count);
+    memset(&s->prefill_prof, 0, sizeof s->prefill_prof);
+    s->prefill_forward_s = 0;
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
     s->phase = SEQ_PREFILL;
     cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
