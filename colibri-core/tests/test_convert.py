@@ -275,6 +275,17 @@ def test_hook_converter_spec_default_derives_from_layout(tiny_src):
     assert "model.layers.0.self_attn.q_proj.weight" in spec.dense_matrices
     assert "model.layers.0.mlp.gate.weight" not in spec.dense_matrices          # routers stay f32
     assert "model.norm.weight" not in spec.dense_matrices
+    assert spec.dense_schemes == ("f32", "bf16", "int8", "int4")
+
+
+def test_spec_selectors_stay_f32_like_routers(tiny_src):
+    from colibri.convert.spec import spec_from_layout
+
+    layout = plugins.family_hook("tinymoe", "tensor_layout")(model=resolve(tiny_src))
+    picked = "model.layers.0.self_attn.k_proj.weight"
+    spec = spec_from_layout(layout, selectors=[picked])
+    assert picked not in spec.dense_matrices
+    assert set(spec.dense_matrices) == set(spec_from_layout(layout).dense_matrices) - {picked}
 
 
 def test_hook_converter_spec_none_without_experts(tmp_path):
@@ -302,7 +313,7 @@ def test_hook_converter_spec_family_answer_wins(tiny_src):
 
 
 # --------------------------------------------------------------------------------------------- conversion
-@pytest.mark.parametrize("experts,dense", [("int8", "bf16"), ("int4", "int8"), ("int4", "int4")])
+@pytest.mark.parametrize("experts,dense", [("int8", "bf16"), ("int8", "f32"), ("int4", "int8"), ("int4", "int4")])
 def test_convert_verify_and_standard_tools_open_it(tiny_src, tmp_path, experts, dense):
     from safetensors import safe_open
 
@@ -327,7 +338,9 @@ def test_convert_verify_and_standard_tools_open_it(tiny_src, tmp_path, experts, 
     assert c.tensors["model.layers.1.mlp.tid2eid"].scheme == "copy"
     assert c.tensors["model.extra_unlisted.weight"].scheme == "copy"
     q_proj = c.tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert q_proj.scheme == ("bf16" if dense == "bf16" else BY_OPTION[dense].name)
+    assert q_proj.scheme == (dense if dense in ("bf16", "f32") else BY_OPTION[dense].name)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["colibri.dense"] == \
+        q_proj.scheme
 
     # safetensors itself opens every shard, and its bytes dequantize close to the source.
     src = tiny_tensors()
@@ -354,6 +367,12 @@ def test_bf16_and_f16_sources(tmp_path):
         c = open_container(out)
         assert c.tensors["model.norm.weight"].parts[0].dtype == "F32"            # small tensors upcast to f32
         assert c.tensors["model.embed_tokens.weight"].parts[0].dtype == "BF16"
+    # --dense f32 keeps every source value: F16/BF16 widen exactly (checked by --verify), F32 is copied.
+    for dtype in ("F16", "F32"):
+        src = write_tiny(tmp_path / f"src32-{dtype}", dtype=dtype, layers=1)
+        run_convert(src, tmp_path / f"out32-{dtype}", experts="int8", dense="f32", verify=True)
+        emb = open_container(tmp_path / f"out32-{dtype}").tensors["model.embed_tokens.weight"]
+        assert (emb.scheme, emb.parts[0].dtype) == ("f32", "F32")
 
 
 def test_layout_shards_by_layer_and_experts_contiguous(tiny_src, tmp_path):
@@ -594,6 +613,13 @@ def test_cli_convert_prints_summary_and_one_line_errors(tiny_src, tmp_path):
     assert res.exit_code == 1
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: --out") and "another colibri-quant" in lines[0]
+    for flag, value in (("--dense", "f16"), ("--experts", "f32"), ("--experts", "bf16")):
+        res = runner.invoke(app, ["convert", "--model", str(tiny_src), "--out", str(tmp_path / "p"), flag, value])
+        assert res.exit_code != 0
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flag} {value}: unknown scheme"), lines
+    help_text = runner.invoke(app, ["convert", "--help"], terminal_width=200).output
+    assert "f32|bf16|int8|int4" in help_text
 
 
 # --------------------------------------------------------------------------------------------- resumability

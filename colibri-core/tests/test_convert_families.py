@@ -53,6 +53,10 @@ def test_every_moe_family_converts_and_verifies(kind, tiny_root, tmp_path):
         container.extent(ex.tensors)
     for _, name in layout.routers:
         assert container.tensors[name].scheme == "f32"
+    # A DSA indexer selects keys by a hard top-k, like a router selects experts: it stays f32 under every --dense.
+    indexer = [name for name in container.tensors if ".indexer." in name]
+    assert bool(indexer) == (kind in ("deepseek_v32", "deepseek_v4", "glm_moe_dsa"))
+    assert all(container.tensors[name].scheme == "f32" for name in indexer), indexer
 
 
 def test_olmoe_bf16_int4(tiny_root, tmp_path):

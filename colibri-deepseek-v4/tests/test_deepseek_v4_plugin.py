@@ -106,9 +106,9 @@ def test_tiny_v3_without_q_lora(tiny_root):
 def test_tiny_v4_layer_kinds(tiny_root):
     model = resolved(tiny_model("deepseek_v4", tiny_root).path, FAMILY)
     geo = plugin.model_geometry(model=model)
-    # CSA (rate 4) caches head_dim + index_head_dim per 4 tokens, HCA head_dim per 128, sliding nothing.
-    assert geo.kv_bytes_per_token == configs.ceil_int((32 + 16) * 4 / 4 + 32 * 4 / 128)
-    assert geo.state_bytes_per_slot == 3 * 8 * 32 * 4
+    # The engine's KV rows: every layer as wide as a CSA row (key, entry, raw compressor and indexer rows).
+    assert geo.kv_bytes_per_token == 3 * (6 * 32 + 5 * 16) * 4
+    assert geo.state_bytes_per_slot == 0
     layout = plugin.tensor_layout(model=model)
     assert "model.layers.0.ffn.gate.tid2eid" in layout.buffers       # hash-routed first layer
     assert "model.layers.1.ffn.gate.bias" in layout.buffers
@@ -148,8 +148,7 @@ def test_deepseek_v4_legacy_spelling_matches_modern(tmp_path):
     modern = plugin.model_geometry(model=resolved(tmp_path, FAMILY, modern_cfg))
     assert legacy == modern
     assert legacy.moe_layers == tuple(range(43)) and legacy.num_kv_heads == 1 and legacy.head_dim == 512
-    csa, hca = V4_RATIOS.count(4), V4_RATIOS.count(128)
-    assert legacy.kv_bytes_per_token == configs.ceil_int(csa * (512 + 128) * 4 / 4 + hca * 512 * 4 / 128)
+    assert legacy.kv_bytes_per_token == 43 * (6 * 512 + 5 * 128) * 4
     layout = plugin.tensor_layout(model=resolved(tmp_path, FAMILY, DEEPSEEK_V4))
     assert sum(name.endswith("tid2eid") for name in layout.buffers) == 3
 
@@ -168,15 +167,23 @@ def test_limits(tmp_path):
     assert lim.has_engine or lim.reason_no_engine == "no engine for deepseek-v4 yet"
 
 
-def test_fp8_release_names_its_block_scales(tmp_path):
+def test_fp8_block_scales_are_read_from_the_checkpoint(tmp_path):
+    """Which weights are FP8 is read from their weight_scale_inv companions on disk, never from names; scales are
+    buffers (bytes, not parameters) and an expert's scales belong to its bytes."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    e0 = "model.layers.3.mlp.experts.0."
+    on_disk = [e0 + "gate_proj.weight_scale_inv", e0 + "up_proj.weight_scale_inv", e0 + "down_proj.weight_scale_inv",
+               "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", "model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file({n: np.zeros(1, np.float32) for n in on_disk}, str(tmp_path / "model.safetensors"))
     layout = plugin.tensor_layout(model=resolved(tmp_path, FAMILY, DEEPSEEK_V32))
-    expert = layout.experts[0]
+    expert = next(x for x in layout.experts if (x.layer, x.expert) == (3, 0))
     assert expert.tensors[3:] == tuple(t + "_scale_inv" for t in expert.tensors[:3])
-    req = set(layout.required)
-    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in req
-    assert "model.layers.0.mlp.down_proj.weight_scale_inv" in req
-    assert "model.layers.0.self_attn.indexer.wk.weight_scale_inv" in req
-    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" not in req
-    assert not any(n.startswith("model.layers.3.mlp.gate.weight_") for n in req)     # router stays bf16
-    plain = {k: v for k, v in DEEPSEEK_V32.items() if k != "quantization_config"}
-    assert not any("scale_inv" in n for n in plugin.tensor_layout(model=resolved(tmp_path, FAMILY, plain)).required)
+    assert len(next(x for x in layout.experts if (x.layer, x.expert) == (3, 1)).tensors) == 3
+    assert set(on_disk) <= set(layout.buffers)
+    assert "model.layers.0.self_attn.o_proj.weight_scale_inv" not in layout.buffers   # not on disk
+    assert not any("scale_inv" in n for n in layout.required)
+    with pytest.raises(ConfigError, match="quantization_config.quant_method"):
+        plugin.tensor_layout(model=resolved(tmp_path, FAMILY, {**DEEPSEEK_V32,
+                                                               "quantization_config": {"quant_method": "gptq"}}))

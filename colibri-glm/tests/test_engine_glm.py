@@ -38,6 +38,12 @@ MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the tolerance cannot flip 
 PAD = 1
 F32 = 4
 
+# YaRN shrunk so the 72-token sequence runs well past the original context (16): with the tiny models' rotary
+# widths the lowest frequencies are interpolated (divided by 4), the highest kept, and cos/sin scaled by
+# 0.1 ln 4 + 1 (transformers' _compute_yarn_parameters with no attention_factor / mscale given).
+YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+YARN_MSCALE = dict(YARN, mscale=1.0, mscale_all_dim=0.707)
+
 # name -> (kind, tiny_model overrides). The DSA indexer uses 8 heads: with 2, a key often scores exactly 0 on
 # every head (relu), and exact ties at the top-k boundary are broken by torch.topk in an unspecified order.
 # Real GLM-5 has 32 indexer heads. DSA keys are kept when index_topk >= the sequence (prompt + generated = 72):
@@ -55,6 +61,13 @@ CASES = {
     # bf16 weights (router and bias stay f32, as transformers keeps them): the absorbed key half of kv_b_proj is
     # transposed in the stored dtype. transformers runs f32 on the same bf16 values, so the f32 tolerance holds.
     "glm_moe_dsa_sparse_bf16": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8, dtype="bfloat16")),
+    # YaRN (see YARN below). glm4_moe: half the head rotates, and only that half takes the cos/sin factor.
+    "glm4_moe_yarn": ("glm4_moe", dict(rope_parameters=dict(YARN, partial_rotary_factor=0.5))),
+    # The MLA types also scale the softmax by mscale(factor, mscale_all_dim)^2; mscale != mscale_all_dim makes
+    # that and the cos/sin factor both differ from 1. The DSA indexer rotates only part of its key, and only that
+    # part takes the cos/sin factor (1.14 here), or its sparse selection would differ from transformers'.
+    "glm4_moe_lite_yarn": ("glm4_moe_lite", dict(rope_parameters=YARN_MSCALE)),
+    "glm_moe_dsa_yarn_sparse": ("glm_moe_dsa", dict(index_topk=8, index_n_heads=8, rope_parameters=YARN)),
 }
 
 
@@ -199,5 +212,28 @@ def test_bad_indexer_and_rope_configs_are_refused(tiny_root):
     with pytest.raises(ConfigError, match="indexer_types"):
         engine_hparams(ResolvedModel(model.path, "glm", model.model_type, cfg))
     cfg = dict(model.config, rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match="yarn"):
+    with pytest.raises(ConfigError, match="yarn rope scaling needs 'original_max_position_embeddings'"):
         engine_hparams(ResolvedModel(model.path, "glm", model.model_type, cfg))
+    cfg = dict(model.config, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ConfigError, match="rope type 'dynamic'"):
+        engine_hparams(ResolvedModel(model.path, "glm", model.model_type, cfg))
+
+
+def test_yarn_hparams_follow_transformers_conventions(tiny_root):
+    """The cos/sin factor and the MLA softmax scale, as transformers derives them for each GLM type."""
+    import math
+
+    def hparams(kind: str, rope: dict) -> dict[str, str]:
+        model = resolved(tiny_model(kind, tiny_root, seed=0).path)
+        cfg = dict(model.config, rope_parameters=rope)
+        args = engine_hparams(ResolvedModel(model.path, "glm", kind, cfg))
+        return dict(a.split("=", 1) for a in args[1::2])
+
+    plain = hparams("glm4_moe", dict(YARN, partial_rotary_factor=0.5))
+    assert math.isclose(float(plain["rope_attention_factor"]), 0.1 * math.log(4) + 1)
+    assert "attention_scale" not in plain          # glm4_moe keeps head_dim^-0.5
+    lite = hparams("glm4_moe_lite", YARN_MSCALE)
+    mscale = 0.1 * 0.707 * math.log(4) + 1
+    assert math.isclose(float(lite["rope_attention_factor"]), (0.1 * math.log(4) + 1) / mscale)
+    assert math.isclose(float(lite["attention_scale"]), (16 + 8) ** -0.5 * mscale ** 2)
+    assert lite["rope_original_max_position"] == "16" and float(lite["rope_factor"]) == 4.0

@@ -84,7 +84,8 @@ def test_tiny_kimi_linear_hybrid_geometry(tiny_root):
     model = resolved(tiny_model("kimi_linear", tiny_root).path, "kimi")
     geo = plugin.model_geometry(model=model)
     assert geo.kv_bytes_per_token == 1 * (32 + 8) * 4                 # layer 3 is the only MLA layer
-    assert geo.state_bytes_per_slot == 3 * (3 * 64 * 3 * 4 + 4 * 16 * 16 * 4)
+    # 3 KDA layers, x 2 for the engine's end-of-prompt checkpoint of the state
+    assert geo.state_bytes_per_slot == 2 * 3 * (3 * 64 * 3 * 4 + 4 * 16 * 16 * 4)
     layout = plugin.tensor_layout(model=model)
     assert layout.experts[0].tensors[1].endswith("block_sparse_moe.experts.0.w3.weight")
 
@@ -104,7 +105,7 @@ def test_kimi_linear_real_config(tmp_path):
     geo = plugin.model_geometry(model=model)
     assert (geo.num_experts, geo.top_k, geo.max_context) == (256, 8, 1048576)
     assert geo.kv_bytes_per_token == 7 * (512 + 64) * 4
-    assert geo.state_bytes_per_slot == 20 * (3 * 32 * 128 * 3 * 4 + 32 * 128 * 128 * 4)
+    assert geo.state_bytes_per_slot == 2 * 20 * (3 * 32 * 128 * 3 * 4 + 32 * 128 * 128 * 4)
     layout = plugin.tensor_layout(model=model)
     assert "model.layers.3.self_attn.kv_b_proj.weight" in layout.required      # 1-indexed layer 4 is MLA
     assert "model.layers.0.self_attn.f_a_proj.weight" in layout.required
@@ -123,12 +124,20 @@ def test_kimi_linear_bad_layer_lists(tmp_path):
 def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, "kimi", KIMI_LINEAR))
     assert lim.max_context == 1048576
-    assert lim.has_engine or lim.reason_no_engine.startswith("no engine for kimi_linear")
+    assert lim.has_engine and "int4-g64" in lim.quant_schemes
 
 
 def test_kimi_k2_fp8_scales(tmp_path):
+    """FP8 scales come from the checkpoint (weight_scale_inv companions), as buffers; an expert's belong to it."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
     fp8 = {**KIMI_K2, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    e = "model.layers.1.mlp.experts.0."
+    on_disk = [e + f"{m}_proj.weight_scale_inv" for m in ("gate", "up", "down")]
+    on_disk.append("model.layers.0.self_attn.q_a_proj.weight_scale_inv")
+    save_file({n: np.zeros(1, np.float32) for n in on_disk}, str(tmp_path / "model.safetensors"))
     layout = plugin.tensor_layout(model=resolved(tmp_path, "kimi", fp8))
-    assert len(layout.experts[0].tensors) == 6
-    assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in layout.required
-    assert not any("layernorm.weight_scale" in n for n in layout.required)
+    assert len(next(x for x in layout.experts if (x.layer, x.expert) == (1, 0)).tensors) == 6
+    assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in layout.buffers
+    assert not any("scale_inv" in n for n in layout.required)

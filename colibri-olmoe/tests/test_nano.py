@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri_olmoe.plugin import NANO_DIR, engine_hparams  # noqa: E402
+from colibri_olmoe.plugin import NANO_DIR, NANO_INT8_DIR, engine_hparams  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "train_nano.py"
 # Candidates in order; the first three whose greedy path has no near-tie are compared (a trained model can have a
@@ -46,6 +46,31 @@ def test_shipped_files_describe_one_small_bf16_moe():
     assert m["final_train_loss"] < m["first_step_loss"] - 2
     card = (NANO_DIR / "MODEL_CARD.md").read_text()
     assert "PSF" in card and "train_nano.py" in card and str(m["heldout_perplexity"]) in card
+
+
+def test_shipped_int8_container_is_the_same_model_at_int8():
+    """The container `coli demo` runs: stamped colibri-quant, int8 experts, made from the shipped bf16 weights, and
+    agreeing with them on >= 98% of next-token predictions over 512 positions of code it never saw (colibri's own
+    planner: Python, but not the standard library it was trained on)."""
+    import colibri.planner
+    from colibri.convert.quality import run_quality
+    from colibri.model import resolve_model
+
+    shards = sorted(NANO_INT8_DIR.glob("*.safetensors"))
+    assert shards and (NANO_INT8_DIR / "tokenizer.json").is_file()
+    raw = shards[0].read_bytes()
+    meta = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    assert meta["colibri.container"] == "colibri-quant"
+    assert "int8-row" in {scheme for shard in shards for scheme in json.loads(
+        json.loads(shard.read_bytes()[8:8 + int.from_bytes(shard.read_bytes()[:8], "little")])["__metadata__"]
+        ["colibri.schemes"]).values()}
+    assert sum(p.stat().st_size for p in shards) < 0.7 * (NANO_DIR / "model.safetensors").stat().st_size
+    held_out = Path(colibri.planner.__file__).read_text(encoding="utf-8")
+    report = run_quality(resolve_model(str(NANO_INT8_DIR)), resolve_model(str(NANO_DIR)), [held_out],
+                         positions=512, threads=2)
+    assert report.positions == 512
+    assert report.top1_agreement >= 0.98, report
+    assert 0 < report.mean_kl < 0.01, report
 
 
 @pytest.fixture(scope="module")

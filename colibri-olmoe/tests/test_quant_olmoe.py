@@ -30,48 +30,30 @@ from colibri.convert.run import convert  # noqa: E402
 from colibri.engine import Engine  # noqa: E402
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing.quality import rescale_experts  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri_olmoe.plugin import engine_hparams  # noqa: E402
 
 POSITIONS = 512
 
-# colibri.testing.tiny draws routed-expert matrices at std ~1/fan_in, so on its models the experts' share of the
-# residual stream is small and their scheme barely shows (int8 and int4 experts both give KL 9.0e-6, the bf16
-# dense rounding). The source here re-scales every expert matrix to std 1/sqrt(fan_in) (what N(0, 1/fan_in)
-# means), so expert quantization carries real weight. Measured on it (seed 5, 2 layers, hidden 64, 16 experts
-# top-4, intermediate 64, bf16 dense; docs/formats.md):
-#   int8 experts: top-1 98.24 %, KL mean 1.9e-4 / max 1.7e-2 nats
-#   int4 experts: top-1 82.42 %, KL mean 7.6e-3 / max 3.1e-2 nats
-# int8 meets the issue's 98 %. int4-g64 cannot meet 90 % on this model: hidden 64 makes each gate/up row ONE group
-# of 64, so a row's largest weight sets the step for all (error up to absmax/14 per weight), and the random model's
-# flat distributions (perplexity ~757 on 512 tokens) turn that into argmax flips on near-ties; the bound asserted is
-# the measured one (80 %) with KL ceilings ~2x the measured values. The larger synthetic model in docs/formats.md
-# (hidden 512: 8 groups per row) gives int4 94.3 %.
+# colibri.testing.tiny draws routed-expert matrices ~sqrt(2 * inter) times too small (fused [experts, 2 * inter,
+# hidden] tensors, std 1/sqrt(prod(shape[1:]))), so on its models the experts barely reach the logits (int8 and
+# int4 experts both give KL ~1e-9 with --dense f32). The source here has every expert matrix re-scaled to std
+# 1/sqrt(fan_in) (colibri.testing.quality.rescale_experts), so expert quantization carries real weight, and the
+# quality containers keep dense matrices exact (--dense f32), so the figures are the expert scheme's alone.
+# Measured (seed 5, 2 layers, hidden 64, 16 experts top-4, intermediate 64; docs/formats.md):
+#   int8 experts: top-1 98.44 %, KL mean 9.5e-5 / max 8.9e-3 nats (every flip had an f32 top-1/top-2 margin
+#                 <= 0.018 logit: near-ties)
+#   int4 experts: top-1 83.20 %, KL mean 7.6e-3 / max 2.3e-2 nats
+# int8 meets the issue's 98 %. int4-g64 cannot meet 90 % on a random model: each 64-wide row is ONE group, the
+# quantization step is absmax/7 (~0.34 sigma, a ~10 % error on each expert output), and this random model's flat
+# distributions (perplexity ~757 on a 512-token vocabulary; 15.8 % of positions have a top-1/top-2 margin below
+# 0.05 logit) turn that into argmax flips. The bound asserted is the measured one (81 %) with KL ceilings ~2x the
+# measured values; colibri-nano (trained, peaked distributions) is the representative figure (docs/formats.md).
 QUALITY = {  # experts scheme -> (min top-1 agreement, max mean KL, max max KL)
-    "int8": (0.98, 5e-4, 4e-2),
-    "int4": (0.80, 1.5e-2, 6e-2),
+    "int8": (0.98, 2e-4, 2e-2),
+    "int4": (0.81, 1.5e-2, 5e-2),
 }
-
-
-def rescale_experts(src: Path, dst: Path) -> Path:
-    """A copy of the tiny checkpoint with every routed-expert matrix re-scaled to std 1/sqrt(fan_in)."""
-    import math
-
-    import numpy as np
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    shutil.copytree(src, dst)
-    with safe_open(src / "model.safetensors", "np") as f:
-        meta = f.metadata()
-        tensors = {}
-        for name in f.keys():   # noqa: SIM118 (safe_open is not a mapping)
-            t = f.get_tensor(name)
-            if ".mlp.experts." in name:
-                t = (t / t.std() / math.sqrt(t.shape[1])).astype(np.float32)
-            tensors[name] = t
-    save_file(tensors, str(dst / "model.safetensors"), metadata=meta)
-    return dst
 
 
 def resolved(path: Path) -> ResolvedModel:
@@ -89,8 +71,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     src = rescale_experts(tiny_model("olmoe", root / "tiny", seed=5, intermediate_size=64).path, root / "source")
     out = {"f32": src}
     for experts in QUALITY:
-        dst = root / f"{experts}-bf16"
-        convert(resolved(src), dst, experts=experts, dense="bf16")
+        dst = root / f"{experts}-f32"
+        convert(resolved(src), dst, experts=experts, dense="f32")
         out[experts] = dst
     dst = root / "int8-int8"
     convert(resolved(src), dst, experts="int8", dense="int8")
@@ -116,15 +98,38 @@ def test_quality_against_the_f32_engine(models, experts):
     assert abs(report.ppl_ratio - 1) < 0.02, report
 
 
+# colibri-nano (trained on the Python standard library, BF16, 4 layers, hidden 256, 32 experts top-2, vocabulary
+# 8192): a real model's peaked distributions, against the random tiny models' near-ties. Its source is BF16, so the
+# default --dense bf16 is exact and the figures are the expert scheme's. Measured: int8 99.02 % (KL mean 7.6e-5),
+# int4-g64 95.12 % (KL mean 1.4e-3): the issue's 98 % / 90 % hold. Slow (a 8192-wide logit row per position
+# through the JSON protocol, minutes on a loaded 2-core machine), so it runs in `nox -s convert_slow` only.
+NANO_QUALITY = {"int8": (0.98, 2e-4), "int4": (0.90, 3e-3)}
+
+
+@pytest.mark.skipif(os.environ.get("COLIBRI_SLOW_TESTS") != "1", reason="slow: set COLIBRI_SLOW_TESTS=1")
+@pytest.mark.parametrize("experts", sorted(NANO_QUALITY))
+def test_trained_nano_meets_the_issue_targets(tmp_path_factory, experts):
+    from colibri.testing.quality import measure_conversion
+    from colibri_olmoe.plugin import NANO_DIR
+
+    if not (NANO_DIR / "config.json").exists():
+        pytest.fail(f"{NANO_DIR}: colibri-nano is package data of colibri-olmoe and must be present")
+    quality = measure_conversion(NANO_DIR, tmp_path_factory.mktemp("nano"), experts, "bf16")
+    min_top1, max_kl = NANO_QUALITY[experts]
+    assert quality.report.positions == POSITIONS
+    assert quality.report.top1_agreement >= min_top1, quality
+    assert 0 < quality.report.mean_kl <= max_kl, quality
+
+
 def test_quantized_dense_weights_run_too(models):
     # int8 attention, embeddings (dequantized per row) and LM head through the generic linear layer.
     report = run_quality(resolved(models["int8-dense"]), resolved(models["f32"]), [default_text()],
                          positions=128, threads=2)
-    bf16 = run_quality(resolved(models["int8"]), resolved(models["f32"]), [default_text()], positions=128,
-                       threads=2)
+    exact_dense = run_quality(resolved(models["int8"]), resolved(models["f32"]), [default_text()], positions=128,
+                              threads=2)
     assert report.top1_agreement >= 0.90, report
     assert report.mean_kl <= 2e-3 and report.max_kl <= 4e-2, report
-    assert report.mean_kl > bf16.mean_kl   # the dense weights really took the integer path
+    assert report.mean_kl > exact_dense.mean_kl   # the dense weights really took the integer path
 
 
 @pytest.mark.parametrize("experts", sorted(QUALITY))

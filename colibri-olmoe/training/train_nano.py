@@ -50,18 +50,18 @@ TEST_DIRS = {"test", "tests", "idle_test"}
 class RunConfig:
     seed: int = 0
     vocab: int = 8192
-    hidden: int = 128
+    hidden: int = 256
     layers: int = 4
     heads: int = 4
     experts: int = 32
     top_k: int = 2
-    expert_width: int = 128
-    seq: int = 128
+    expert_width: int = 192
+    seq: int = 256
     batch: int = 8
-    steps: int = 750
-    lr: float = 3e-3
+    steps: int = 1500
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 30
+    warmup: int = 60
     weight_decay: float = 0.1
     aux_coef: float = 0.01
     grad_clip: float = 1.0
@@ -362,8 +362,10 @@ def save_checkpoint(model, out: Path, dtype: str, eos_id: int, pad_id: int) -> N
     frozen = copy.deepcopy(model).to({"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype])
     frozen.config.output_router_logits = False
     frozen.save_pretrained(out, safe_serialization=True)
-    # Greedy by default: a code-completion model, and greedy output is what the transformers check compares.
-    gen = {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False}
+    # Low-temperature nucleus sampling by default: greedy decoding of a model this small falls into loops within a
+    # line or two, while at 0.3 / 0.9 it writes plausible function bodies. The transformers check asks for greedy
+    # explicitly, and `coli run --temp 0` still gives it.
+    gen = {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": True, "temperature": 0.3, "top_p": 0.9}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 

@@ -152,7 +152,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
             total += t.numel
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + 1
         if t.name in expert_names:
-            routed += t.numel
+            routed += 0 if t.name in buffers else t.numel   # an expert's fp8 block scales are bytes, not parameters
             expert_b += t.nbytes
         elif t.name in embedding_names:
             embed_b += t.nbytes
@@ -164,7 +164,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
     for layer in groups.values():
         if not layer:
             continue
-        layer_params = sum(t.numel for ts in layer.values() for t in ts)
+        layer_params = sum(t.numel for ts in layer.values() for t in ts if t.name not in buffers)
         # top_k experts' worth of this layer, at the layer's mean expert size (experts of a layer are equal in
         # every real family; the mean keeps the arithmetic exact for them and sensible otherwise).
         k = min(geometry.top_k, len(layer)) if geometry.top_k else len(layer)

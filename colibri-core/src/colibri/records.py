@@ -196,7 +196,7 @@ class ConverterSpec:
     """
 
     expert_schemes: tuple[str, ...] = ("int8", "int4")
-    dense_schemes: tuple[str, ...] = ("bf16", "int8", "int4")
+    dense_schemes: tuple[str, ...] = ("bf16", "f32", "int8", "int4")
     dense_matrices: tuple[str, ...] = ()
 
 

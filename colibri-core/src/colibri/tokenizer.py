@@ -93,7 +93,14 @@ def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None)
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
         raise ConfigError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0] if str(exc) else exc})",
                           "restore tokenizer.json from the original checkpoint") from None
+    return tokenizer_from_backend(backend, model_dir, config, path)
 
+
+def tokenizer_from_backend(backend: Any, model_dir: Path, config: Mapping[str, Any] | None = None,
+                           source: Path | None = None) -> TextTokenizer:
+    """A :class:`TextTokenizer` around an already built ``tokenizers.Tokenizer``: special tokens, stop ids and chat
+    templates read from ``model_dir`` as for a plain checkpoint (families that convert another tokenizer format
+    share this so their stop ids and templates follow the same rules)."""
     tok_config = ct.read_json_file(model_dir / ct.TOKENIZER_CONFIG) or {}
     legacy_map = ct.read_json_file(model_dir / "special_tokens_map.json") or {}
     special: dict[str, str] = {}
@@ -106,10 +113,10 @@ def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None)
 
     stop: list[int] = []
     gen_config = ct.read_json_file(model_dir / "generation_config.json") or {}
-    for source in (gen_config, config or {}, (config or {}).get("text_config") or {}):
-        stop += _ids(source.get("eos_token_id"))
+    for declared in (gen_config, config or {}, (config or {}).get("text_config") or {}):
+        stop += _ids(declared.get("eos_token_id"))
     eos = special.get("eos_token")
     if eos is not None and backend.token_to_id(eos) is not None:
         stop.append(backend.token_to_id(eos))
     templates = ct.available_templates(model_dir, tok_config)
-    return TextTokenizer(backend, special, tuple(dict.fromkeys(stop)), templates, path)
+    return TextTokenizer(backend, special, tuple(dict.fromkeys(stop)), templates, source)

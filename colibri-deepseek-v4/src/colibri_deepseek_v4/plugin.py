@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from colibri import configs, hookimpl
+from colibri import configs, fp8, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
-    TensorLayout,
+    Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    ResourcePlan, TensorLayout,
 )
 
 FAMILY = "deepseek-v4"
@@ -164,21 +164,25 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     )
 
 
+def v4_kv_row_floats(r: Mapping[str, Any]) -> int:
+    """Floats per token and layer of the engine's KV rows (engine/deepseek_v4.c): every layer's row is as wide as
+    the widest kind's, which keeps the key (head_dim), the compressed entry it may close (head_dim), the
+    compressor's raw value and gate rows (2 x head_dim each for CSA's overlapping windows, head_dim for HCA) and,
+    for CSA, the indexer's entry and raw rows (index_head_dim, 2 x 2 x index_head_dim)."""
+    d, di = r["head_dim"], r["index_dim"]
+    width = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
+             "compressed_sparse_attention": 6 * d + 5 * di}
+    return max(width.get(kind, d) for kind in r["attn"])
+
+
 def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Geometry:
     r = _read_v4(cfg, where)
-    per_token = 0.0
-    for kind in r["attn"]:
-        rate = r["rates"].get(kind, 0)
-        if rate:
-            per_token += r["head_dim"] * F32 / rate
-            if kind == "compressed_sparse_attention":
-                per_token += r["index_dim"] * F32 / rate
-    window_state = r["layers"] * r["window"] * r["kv_heads"] * r["head_dim"] * F32
     counts = {k: r["attn"].count(k) for k in dict.fromkeys(r["attn"])}
     notes = (("attention layers", ", ".join(f"{v} {k}" for k, v in counts.items())),
              ("hash-routed layers", str(len(r["hash_layers"]))),
              ("hyper-connections", str(cfg.get("hc_mult", 4))),
-             ("sliding window", f"{r['window']} tokens (in the per-slot state)"),
+             ("sliding window", f"{r['window']} tokens"),
+             ("KV row", f"{v4_kv_row_floats(r)} floats per token and layer (keys + compressor rows)"),
              *_router_notes(cfg, model.model_type))
     return Geometry(
         model_type=model.model_type, architecture="DeepSeek-V4 MoE decoder",
@@ -187,8 +191,8 @@ def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Ge
         num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], num_experts=r["experts"], top_k=r["top_k"],
         expert_intermediate=r["expert_width"], num_shared_experts=r["shared"], moe_layers=r["moe_layers"],
         dense_layers=tuple(i for i in range(r["layers"]) if i not in r["moe_layers"]),
-        max_context=configs.max_context(cfg), kv_bytes_per_token=configs.ceil_int(per_token),
-        state_bytes_per_slot=window_state, notes=notes,
+        max_context=configs.max_context(cfg), kv_bytes_per_token=r["layers"] * v4_kv_row_floats(r) * F32,
+        notes=notes,
     )
 
 
@@ -215,7 +219,7 @@ def _mla_attention(cfg: Mapping[str, Any], r: dict[str, Any], p: str, indexer: b
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     cfg, where = model.config, _where(model)
     if model.model_type == "deepseek_v4":
-        return _layout_v4(cfg, _read_v4(cfg, where))
+        return _layout_v4(cfg, _read_v4(cfg, where), fp8.tensor_names(model.path))
     r = _read_mla(cfg, where)
     norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
     for i in range(r["layers"]):
@@ -235,9 +239,11 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    if configs.block_fp8(cfg):
-        required, experts = _with_fp8_scales(required, experts)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    if fp8.check_config(cfg, where):
+        embeds = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+        experts, buffers = _with_fp8_scales(model.path, required + embeds + [n for _, n in routers], experts,
+                                            buffers)
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
@@ -245,22 +251,62 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
-def _fp8_quantized(name: str) -> bool:
-    # DeepSeek's FP8 release quantizes every attention / MLP / expert projection and the indexer's wq_b and wk;
-    # the router, the indexer's weights_proj, norms, embeddings and the LM head stay in bf16 / f32.
-    if name.endswith("indexer.weights_proj.weight"):
-        return False
-    return name.endswith("_proj.weight") or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight"))
-
-
-def _with_fp8_scales(required: list[str], experts: list[ExpertTensors]) -> tuple[list[str], list[ExpertTensors]]:
-    required = required + [configs.fp8_scale_name(n) for n in required if _fp8_quantized(n)]
-    experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(configs.fp8_scale_name(t) for t in x.tensors))
+def _with_fp8_scales(model_dir: Path, dense: list[str], experts: list[ExpertTensors],
+                     buffers: list[str]) -> tuple[list[ExpertTensors], list[str]]:
+    """Block-FP8 checkpoints: each weight that has a ``weight_scale_inv`` companion on disk gets it (an expert's
+    scales belong to its bytes, so a cache slot holds them). Scales are buffers, not parameters (colibri.fp8)."""
+    present = fp8.tensor_names(model_dir)
+    experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(fp8.companions(x.tensors, present).values()))
                for x in experts]
-    return required, experts
+    scales = list(fp8.companions(dense, present).values())
+    scales += [n for x in experts for n in x.tensors if n.endswith(fp8.SCALE_SUFFIX)]
+    return experts, buffers + scales
 
 
-def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
+# transformers' save names -> DeepSeek's release names (its reference inference code's); layer-level names agree.
+V4_RELEASE_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+                    "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+                    "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def _v4_scale_of(name: str, present: frozenset[str]) -> str | None:
+    """The scale companion of a quantized weight (fp8 dense, fp4 experts): transformers' or DeepSeek's naming."""
+    for scale in (name + "_scale_inv", name.removesuffix(".weight") + ".scale"):
+        if scale in present:
+            return scale
+    return None
+
+
+def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any], present: frozenset[str] = frozenset()) -> TensorLayout:
+    """Names as transformers saves them, or as DeepSeek releases them when the checkpoint has `embed.weight`;
+    scale companions on disk belong to their weight (an expert's to its cache slot) and count as buffers."""
+    layout = _layout_v4_hf(cfg, r)
+    release = "embed.weight" in present and "model.embed_tokens.weight" not in present
+    if not release and not present:
+        return layout
+
+    def name(n: str) -> str:
+        return V4_RELEASE_NAMES.get(n, n.removeprefix("model.")) if release else n
+
+    def names(ns) -> tuple[str, ...]:
+        return tuple(name(n) for n in ns)
+
+    experts = []
+    for x in layout.experts:
+        tensors = names(x.tensors)
+        experts.append(ExpertTensors(x.layer, x.expert,
+                                     tensors + tuple(s for t in tensors if (s := _v4_scale_of(t, present)))))
+    dense = names(layout.required) + names(layout.embeddings)
+    scales = [s for t in dense if (s := _v4_scale_of(t, present))]
+    scales += [t for x in experts for t in x.tensors[3:]]
+    return TensorLayout(
+        embeddings=names(layout.embeddings), lm_head=layout.lm_head, norms=names(layout.norms),
+        routers=tuple((i, name(n)) for i, n in layout.routers), experts=tuple(experts),
+        required=names(layout.required), buffers=names(layout.buffers) + tuple(scales),
+        skipped_prefixes=names(layout.skipped_prefixes))
+
+
+def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
     norms, routers, experts, buffers = ["model.norm.weight"], [], [], []
     required = ["model.hc_head.hc_base", "model.hc_head.hc_fn", "model.hc_head.hc_scale"]
     for i in range(r["layers"]):
@@ -300,7 +346,17 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
         skipped_prefixes=skipped)
 
 
-# Model types the engine (engine/deepseek.c) runs; deepseek_v4's compressed attention has no engine yet.
+@hookimpl
+def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
+    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
+    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
+    from colibri.convert.spec import spec_from_layout
+
+    layout = tensor_layout(model)
+    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
+
+
+# Model types engine/deepseek.c composes from MLA; deepseek_v4 runs engine/deepseek_v4.c (the same binary).
 ENGINE_TYPES = ("deepseek_v3", "deepseek_v32")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
@@ -310,11 +366,16 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 def limits(model: ResolvedModel) -> Limits:
     if model.model_type in ENGINE_TYPES:
         return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
+    if model.model_type == "deepseek_v4":
+        # engine/deepseek_v4.c. No colibri-quant schemes: the container expert kernels have no clamped SwiGLU.
+        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=())
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
                   reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
+# DeepSeek-V4's composition, linked into the same binary; deepseek.c's main picks it on --set attention=v4.
+ENGINE_V4_C = Path(__file__).parent / "engine" / "deepseek_v4.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
@@ -377,11 +438,14 @@ def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, w
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the DeepSeek engine, resolved from config.json."""
     cfg, where = model.config, _where(model)
+    if model.model_type == "deepseek_v4":
+        return _as_set_args(engine_hparams_v4(model))
     if model.model_type not in ENGINE_TYPES:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
                           f"the deepseek engine runs {', '.join(ENGINE_TYPES)}")
     r = _read_mla(cfg, where)
     _check_router(cfg, where)
+    fp8.check_config(cfg, where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
     n = r["layers"]
     rope = configs.rope(cfg)
     if rope.rope_type not in ENGINE_ROPE_TYPES:
@@ -424,9 +488,110 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     return tuple(args)
 
 
+def _as_set_args(values: Mapping[str, Any]) -> tuple[str, ...]:
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
+# transformers' DeepseekV4Config defaults, for configs that omit a field.
+V4_DEFAULTS = dict(routed_scaling_factor=1.5, rms_norm_eps=1e-6, n_shared_experts=1, swiglu_limit=10.0,
+                   hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, o_groups=8, o_lora_rank=1024, index_n_heads=64,
+                   index_head_dim=128, index_topk=512, sliding_window=128, rope_theta=10000.0,
+                   compress_rope_theta=160000.0)
+V4_KIND_LETTER = {"sliding_attention": "S", "heavily_compressed_attention": "H", "compressed_sparse_attention": "C"}
+
+
+def _v4_ropes(cfg: Mapping[str, Any], head_dim: int, where: str) -> dict[str, Any]:
+    """The two RoPEs: "main" (sliding-window layers, default type) and "compress" (CSA/HCA layers, their
+    compressors and the indexer; YaRN in the released configs, with the cos/sin factor pinned to 1 as
+    transformers does). Accepts transformers' nested rope_parameters or DeepSeek's top-level fields."""
+    rp = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor")
+    if partial is None:
+        rope_dim = cfg.get("qk_rope_head_dim")
+        partial = rope_dim / head_dim if rope_dim else 64 / 512
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, comp = rp["main"], dict(rp["compress"])
+        main_theta = main.get("rope_theta", V4_DEFAULTS["rope_theta"])
+        if main.get("rope_type", "default") != "default":
+            raise ConfigError(f"{where}: rope_parameters.main type {main.get('rope_type')!r} is not supported",
+                              "DeepSeek-V4 rotates its sliding-window layers with the default RoPE")
+    else:
+        scaling = {k: v for k, v in (cfg.get("rope_scaling") or rp or {}).items() if k not in ("main", "compress")}
+        main_theta = cfg.get("rope_theta", V4_DEFAULTS["rope_theta"])
+        comp = dict(scaling, rope_theta=cfg.get("compress_rope_theta", V4_DEFAULTS["compress_rope_theta"]))
+    rope_type = comp.get("rope_type", comp.get("type", "default"))
+    values: dict[str, Any] = dict(main_rope_theta=repr(float(main_theta)), rope_theta=repr(float(comp["rope_theta"])),
+                                  rope_type=rope_type, partial_rotary_factor=repr(float(partial)))
+    if rope_type == "default":
+        return values
+    if rope_type != "yarn":
+        raise ConfigError(f"{where}: compress rope type {rope_type!r} is not supported by the deepseek_v4 engine",
+                          "the engine implements default and yarn (DeepSeek-V4's own)")
+    orig = comp.get("original_max_position_embeddings")
+    if not comp.get("factor") or not orig:
+        raise ConfigError(f"{where}: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'",
+                          "restore the checkpoint's original config.json")
+    values.update(rope_factor=repr(float(comp["factor"])), rope_original_max_position=int(orig),
+                  rope_attention_factor=repr(float(comp.get("attention_factor", 1.0))),
+                  rope_beta_fast=repr(float(comp.get("beta_fast") or 32)),
+                  rope_beta_slow=repr(float(comp.get("beta_slow") or 1)),
+                  rope_truncate=int(bool(comp.get("truncate", True))))
+    return values
+
+
+def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
+    """The DeepSeek-V4 engine's hyperparameters (engine/deepseek_v4.c), resolved from config.json."""
+    cfg, where = model.config, _where(model)
+    r = _read_v4(cfg, where)
+    n = r["layers"]
+    scoring = cfg.get("scoring_func") or "sqrtsoftplus"
+    if scoring != "sqrtsoftplus":
+        raise ConfigError(f"{where}: scoring_func {scoring!r} is not supported by the deepseek_v4 engine",
+                          "the engine implements DeepSeek-V4's sqrtsoftplus router")
+    fp8.check_config(cfg, where)   # dense fp8 (e4m3 + block scales) loads natively through cb_load_linear
+    qc = cfg.get("quantization_config") or {}
+    expert_dtype = qc.get("expert_dtype", cfg.get("expert_dtype")) if isinstance(qc, Mapping) else None
+    if expert_dtype not in (None, "fp8", "fp4"):
+        raise ConfigError(f"{where}: expert_dtype {expert_dtype!r} is not supported by the deepseek_v4 engine",
+                          "the engine reads fp4 (e2m1 + per-32 ue8m0 scales), block-fp8 or float experts")
+    if r["kv_heads"] != 1:
+        raise ConfigError(f"{where}: num_key_value_heads {r['kv_heads']} is not supported",
+                          "DeepSeek-V4 attention shares one key=value head")
+    if len(r["moe_layers"]) != n:
+        raise ConfigError(f"{where}: dense MLP layers are not supported by the deepseek_v4 engine",
+                          "DeepSeek-V4 routes every layer through its MoE")
+    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V4_DEFAULTS.items()}
+    try:
+        kinds = "".join(V4_KIND_LETTER[k] for k in r["attn"])
+    except KeyError as exc:
+        raise ConfigError(f"{where}: layer type {exc.args[0]!r} is not a DeepSeek-V4 attention kind",
+                          "use sliding_attention, compressed_sparse_attention or heavily_compressed_attention"
+                          ) from None
+    values: dict[str, Any] = dict(
+        attention="v4", hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
+        vocab_size=r["vocab"], head_dim=r["head_dim"],
+        q_lora_rank=configs.require_int(cfg, "q_lora_rank", where=where, minimum=1),
+        o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]), sliding_window=int(d["sliding_window"]),
+        csa_rate=int(r["rates"]["compressed_sparse_attention"]),
+        hca_rate=int(r["rates"]["heavily_compressed_attention"]),
+        index_n_heads=int(d["index_n_heads"]), index_head_dim=int(d["index_head_dim"]),
+        index_topk=int(d["index_topk"]), moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"],
+        num_experts_per_tok=r["top_k"], n_shared_experts=int(d["n_shared_experts"]),
+        routed_scaling_factor=repr(float(d["routed_scaling_factor"])), swiglu_limit=repr(float(d["swiglu_limit"])),
+        rms_norm_eps=repr(float(d["rms_norm_eps"])), tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings"))),
+        hc_mult=int(d["hc_mult"]), hc_sinkhorn_iters=int(d["hc_sinkhorn_iters"]), hc_eps=repr(float(d["hc_eps"])),
+        layer_kinds=kinds, mlp_layers="".join("H" if i in r["hash_layers"] else "M" for i in range(n)),
+    )
+    values.update(_v4_ropes(cfg, r["head_dim"], where))
+    return values
+
+
 @hookimpl
 def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C,))
+    return EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C))
 
 
 @hookimpl

@@ -9,14 +9,15 @@ last decoder layer (skipped).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
-    TensorLayout,
+    Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    ResourcePlan, TensorLayout,
 )
 
 FAMILY = "glm"
@@ -166,6 +167,16 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
+@hookimpl
+def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
+    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
+    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
+    from colibri.convert.spec import spec_from_layout
+
+    layout = tensor_layout(model)
+    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
+
+
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
@@ -178,7 +189,7 @@ def limits(model: ResolvedModel) -> Limits:
 
 ENGINE_C = Path(__file__).parent / "engine" / "glm.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
-ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @hookimpl
@@ -205,6 +216,53 @@ def _indexer_layers(cfg: Mapping[str, Any], n: int, where: str) -> str:
         raise ConfigError(f"{where}: 'indexer_types'[0] is 'shared' but no earlier layer runs an indexer",
                           "the first layer must be 'full'")
     return "".join(letters[t] for t in types)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor`` (the paper's 0.1 ln s + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling_values(cfg: Mapping[str, Any], rope: configs.Rope, r: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE scaling settings as the engine reads them, resolved the way transformers' GLM models do.
+
+    YaRN's cos/sin factor (``rope_attention_factor``; the runtime applies it to the rotated dimensions only)
+    comes from ``attention_factor``, else mscale / mscale_all_dim, else the factor alone, as transformers'
+    _compute_yarn_parameters. The MLA types (GLM-4.7-Flash, GLM-5) also multiply the softmax scale by
+    mscale(factor, mscale_all_dim)^2 for any non-default rope type, as DeepSeek-V3 does; glm4_moe does not."""
+    scaling, values = rope.scaling or {}, {}
+    if rope.rope_type == "default":
+        return values
+    orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    factor = scaling.get("factor")
+    if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
+        factor = cfg["max_position_embeddings"] / orig
+    if factor is None:
+        raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
+                          "restore the checkpoint's original config.json")
+    factor = float(factor)
+    values["rope_factor"] = repr(factor)
+    if rope.rope_type == "llama3":
+        values.update(rope_low_freq_factor=repr(float(scaling.get("low_freq_factor", 1.0))),
+                      rope_high_freq_factor=repr(float(scaling.get("high_freq_factor", 4.0))),
+                      rope_original_max_position=int(orig or 8192))
+    if rope.rope_type == "yarn":
+        if not orig:
+            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
+                              "restore the checkpoint's original config.json")
+        attention = scaling.get("attention_factor")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if attention is None:
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else _yarn_mscale(factor))
+        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
+                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
+                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
+                      rope_truncate=int(bool(scaling.get("truncate", True))))
+    if r["mla"] and scaling.get("mscale_all_dim"):
+        scale = r["head_dim"] ** -0.5 * _yarn_mscale(factor, float(scaling["mscale_all_dim"])) ** 2
+        values["attention_scale"] = repr(scale)
+    return values
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
@@ -248,13 +306,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
                       use_qk_norm=int(bool(cfg.get("use_qk_norm", False))))
     if rope.partial_rotary_factor != 1.0:
         values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
-    scaling = rope.scaling or {}
-    if rope.rope_type in ("linear", "llama3"):
-        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    values.update(_rope_scaling_values(cfg, rope, r, where))
     args: list[str] = []
     for key, value in values.items():
         args += ["--set", f"{key}={value}"]

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from colibri import configs, hookimpl
+from colibri import configs, fp8, hookimpl
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
@@ -108,8 +108,11 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     if r["linear"]:
         width = r["lin_heads"] * r["lin_dim"]
         per_layer = 3 * width * (r["conv"] - 1) * F32 + r["lin_heads"] * r["lin_dim"] * r["lin_dim"] * F32
-        state = per_layer * (n - len(full))
+        # x 2: the engine checkpoints each slot's state at the end of every prompt (as for the Qwen hybrids).
+        state = 2 * per_layer * (n - len(full))
         notes.insert(0, ("layers", f"{n - len(full)} KDA + {len(full)} MLA (no RoPE)"))
+        notes.insert(0, ("recurrent state", f"{state:,} B per slot (q/k/v conv windows + delta-rule memory of each "
+                                            "KDA layer, and its end-of-prompt checkpoint)"))
         attention = "KDA linear attention + MLA"
     else:
         notes.append(("rope", f"theta {configs.rope(cfg).theta:g} ({configs.rope(cfg).rope_type})"))
@@ -141,6 +144,15 @@ def _kda(sa: str) -> tuple[list[str], list[str]]:
     return [sa + "o_norm.weight"], [f"{sa}{w}.weight" for w in weights] + [sa + "A_log", sa + "dt_bias"]
 
 
+def _dense_prefix(model: ResolvedModel, layer: str) -> str:
+    """Where a Kimi Linear dense layer lives: ``mlp.`` in the original checkpoints, ``block_sparse_moe.`` in
+    transformers' saves (it renames every ``mlp.`` so). Read from the shard index or headers; the engine probes the
+    same way."""
+    names = fp8.tensor_names(model.path)
+    stem = layer + "mlp.gate_proj"
+    return layer + ("mlp." if stem + ".weight" in names or stem + ".qweight" in names else "block_sparse_moe.")
+
+
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     r = _read(model)
@@ -155,7 +167,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         required += attn
         m = p + moe_name
         if i not in r["moe_layers"]:
-            required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
+            d = _dense_prefix(model, p) if r["linear"] else m
+            required += [f"{d}{x}_proj.weight" for x in ("gate", "up", "down")]
             continue
         routers.append((i, m + "gate.weight"))
         buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
@@ -166,13 +179,16 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             experts.append(ExpertTensors(i, e, names))
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    if configs.block_fp8(r["cfg"]):
-        # Kimi K2's FP8 release quantizes every projection (attention, MLP, experts); routers, norms, embeddings
-        # and the LM head stay bf16.
-        required += [configs.fp8_scale_name(n) for n in required if n.endswith("_proj.weight")]
-        experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(configs.fp8_scale_name(t) for t in x.tensors))
-                   for x in experts]
     tied = bool(r["cfg"].get("tie_word_embeddings", False))
+    if fp8.check_config(r["cfg"], str(model.path / "config.json")):
+        # Which weights are fp8 is read from the checkpoint (a weight_scale_inv companion), never from names; an
+        # expert's scales belong to its bytes (a cache slot holds them); scales are buffers, not parameters.
+        present = fp8.tensor_names(model.path)
+        experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(fp8.companions(x.tensors, present).values()))
+                   for x in experts]
+        dense = required + ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+        buffers += list(fp8.companions(dense + [n for _, n in routers], present).values())
+        buffers += [n for x in experts for n in x.tensors if n.endswith(fp8.SCALE_SUFFIX)]
     return TensorLayout(
         embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
@@ -180,8 +196,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
-# Model types the engine (engine/kimi.c) runs; Kimi Linear's KDA layers have no engine yet.
-ENGINE_TYPES = ("kimi_k2",)
+# Model types the engine runs: kimi.c (Kimi K2), dispatching kimi_linear to kimi_linear.c.
+ENGINE_TYPES = ("kimi_k2", "kimi_linear")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
@@ -191,10 +207,11 @@ def limits(model: ResolvedModel) -> Limits:
     if model.model_type in ENGINE_TYPES:
         return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {model.model_type} (KDA linear attention) yet")
+                  reason_no_engine=f"no engine for {model.model_type}")
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
+ENGINE_LINEAR_C = Path(__file__).parent / "engine" / "kimi_linear.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
@@ -253,6 +270,9 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
                           f"the kimi engine runs {', '.join(ENGINE_TYPES)}")
     r = _read(model)
+    fp8.check_config(r["cfg"], where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
+    if r["linear"]:
+        return _linear_hparams(model, r, where)
     cfg, n = r["cfg"], r["layers"]
     for key, want in K2_ROUTER.items():
         if cfg.get(key) is not None and cfg[key] != want:
@@ -287,11 +307,51 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     return tuple(args)
 
 
+def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tuple[str, ...]:
+    """Kimi Linear's ``--set`` arguments. Its MLA has no RoPE at all (no rope settings); defaults are
+    KimiLinearConfig's."""
+    cfg, n = r["cfg"], r["layers"]
+    values: dict[str, Any] = dict(
+        model_type="kimi_linear", hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
+        vocab_size=r["vocab"], intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
+        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
+        n_shared_experts=r["shared"],
+        n_group=int(configs.first_of(cfg, "n_group", "num_expert_group", default=1)),
+        topk_group=int(configs.first_of(cfg, "topk_group", default=1)),
+        norm_topk_prob=int(bool(configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True))),
+        routed_scaling_factor=repr(float(configs.first_of(cfg, "routed_scaling_factor", default=2.446))),
+        rms_norm_eps=repr(float(configs.first_of(cfg, "rms_norm_eps", default=1e-5))),
+        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
+        q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"], qk_nope_head_dim=r["nope_dim"],
+        qk_rope_head_dim=r["rope_dim"],
+        v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
+        linear_num_heads=r["lin_heads"], linear_head_dim=r["lin_dim"], linear_conv_kernel_dim=r["conv"],
+        attn_layers="".join("F" if kind == "full_attention" else "K" for kind in r["attn"]),
+        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
+    )
+    if cfg.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias is not supported by the kimi_linear engine",
+                          "Kimi Linear checkpoints have no attention biases; restore the original config.json")
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return tuple(args)
+
+
 @hookimpl
 def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-kimi", sources=(ENGINE_C,))
+    return EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C))
 
 
 @hookimpl
 def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
     return EngineEnv(args=engine_hparams(model))
+
+
+@hookimpl
+def load_tokenizer(model: ResolvedModel) -> Any:
+    # Kimi checkpoints ship tiktoken.model and a Python tokenizer class, not tokenizer.json: convert the ranks
+    # (cached as a sidecar) rather than run checkpoint code. None (no tiktoken.model) lets core read tokenizer.json.
+    from .tokenizer import load_tiktoken_tokenizer
+
+    return load_tiktoken_tokenizer(model.path, model.config)

@@ -21,6 +21,7 @@ FAMILY = "olmoe"
 MODEL_TYPES = ("olmoe",)
 F32 = 4  # the engine keeps its KV cache in f32
 NANO_DIR = Path(__file__).parent / "nano"    # colibri-nano, trained by training/train_nano.py (package data)
+NANO_INT8_DIR = NANO_DIR.with_name("nano-int8")  # the same model as a colibri int8 container: what `coli demo` runs
 DEMO_PROMPT = "def fibonacci(n):"
 
 
@@ -168,7 +169,7 @@ def _nano_copy(cache_dir: Path) -> Path:
 
     from colibri.demo import ensure_directory
 
-    files = sorted(p for p in NANO_DIR.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in NANO_INT8_DIR.iterdir() if p.is_file() and not p.name.startswith("."))
     # Named by the shipped metrics and file sizes, so an upgraded package never runs a stale copy.
     stamp = hashlib.sha256((NANO_DIR / "metrics.json").read_bytes()
                            + repr([(p.name, p.stat().st_size) for p in files]).encode()).hexdigest()[:12]
@@ -178,7 +179,7 @@ def _nano_copy(cache_dir: Path) -> Path:
         for p in files:
             shutil.copyfile(p, out / p.name)
 
-    path, built = ensure_directory(cache_dir / f"colibri-nano-{stamp}", copy)
+    path, built = ensure_directory(cache_dir / f"colibri-nano-int8-{stamp}", copy)
     if built:   # copies of earlier releases of the model are dead weight now
         for old in cache_dir.glob("colibri-nano-*"):
             if old != path and old.is_dir():
@@ -202,10 +203,10 @@ def demo_model(cache_dir: Path, synthetic: bool) -> DemoModel | None:
         path, _ = ensure_checkpoint(cache_dir, spec)
         return DemoModel(path, f"a synthetic OLMoE-architecture model with RANDOM weights "
                                f"(~{spec.total_bytes / 1e6:.0f} MB, written once)", DEMO_PROMPT, is_random=True)
-    if not (NANO_DIR / "config.json").exists():
+    if not (NANO_INT8_DIR / "config.json").exists():
         return None
     # Run a copy in the cache, not the package directory: the engine saves its learned hot set (pinning) next to
     # the weights, and site-packages may be read-only (or, editable, a source checkout).
     path = _nano_copy(cache_dir)
     return DemoModel(path, "colibri-nano, a small OLMoE trained on the Python standard library "
-                               "(bundled with colibri-olmoe)", DEMO_PROMPT, is_random=False)
+                               "(bundled with colibri-olmoe as an int8 container)", DEMO_PROMPT, is_random=False)

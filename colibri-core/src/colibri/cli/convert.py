@@ -50,8 +50,11 @@ def convert_command(
                              "interrupted conversion into it resumes)."),
     experts: str = typer.Option("int8", "--experts", metavar="int8|int4",
                                 help="Routed experts: int8 per output row, or int4 in groups of 64 inputs."),
-    dense: str = typer.Option("bf16", "--dense", metavar="bf16|int8|int4",
-                              help="Dense matrices (attention, embeddings, LM head, shared experts)."),
+    dense: str = typer.Option("bf16", "--dense", metavar="f32|bf16|int8|int4",
+                              help="Dense matrices (attention, embeddings, LM head, shared experts): f32 keeps "
+                              "the source values exactly, bf16 rounds F32/F16 sources (exact for BF16 ones), "
+                              "int8/int4 as for experts. Routers, norms, biases and selection tensors (e.g. "
+                              "DSA indexer) always stay F32."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and check every tensor against the "
                                 "source (exact bits and the scheme's error bound)."),
     family: Optional[str] = FamilyOption,

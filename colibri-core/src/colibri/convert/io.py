@@ -13,6 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from ..checkpoint import DTYPE_BYTES, TensorInfo
+from . import fp8_source
 from .plan import Item
 from .schemes import f32_to_bf16_bits, quantize, to_f32
 
@@ -61,7 +62,8 @@ def produce(item: Item, fd: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tup
     if item.quant is not None:
         scales = []
         for r0, r1 in row_chunks(t, chunk_bytes):
-            q, s = quantize(item.quant, read_rows(fd, t, r0, r1))
+            rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
+            q, s = quantize(item.quant, rows)
             scales.append(s.astype("<f2").tobytes())
             yield q.tobytes(), (r1 - r0) * row_bytes(t)
         yield b"".join(scales), 0

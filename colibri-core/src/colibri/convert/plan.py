@@ -17,6 +17,7 @@ from .. import __version__
 from ..checkpoint import DTYPE_BYTES, TensorIndex, TensorInfo
 from ..errors import CheckpointError, UsageError
 from ..records import ConverterSpec, TensorLayout
+from . import fp8_source
 from .container import CONTAINER_VERSION, SCALES_DTYPE, qweight_name, scales_name, shard_metadata
 from .schemes import BY_OPTION, COPY_SCHEME, FLOAT_SOURCE_DTYPES, Scheme
 
@@ -45,6 +46,7 @@ class Item:
     scheme: str                          # scheme-map value
     quant: Scheme | None
     parts: tuple[Part, ...]
+    scale: TensorInfo | None = None      # an FP8 source's block scales: read dequantized (fp8_source.py)
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +103,8 @@ class JobPlan:
         return sum(s.data_bytes for s in self.shards)
 
 
-def _quant_item(t: TensorInfo, scheme: Scheme, role: str, flag: str) -> Item:
-    if t.dtype not in FLOAT_SOURCE_DTYPES or len(t.shape) != 2:
+def _quant_item(t: TensorInfo, scheme: Scheme, role: str, flag: str, scale: TensorInfo | None = None) -> Item:
+    if (t.dtype not in FLOAT_SOURCE_DTYPES and scale is None) or len(t.shape) != 2:
         raise CheckpointError(f"{t.file}: {role} tensor {t.name!r} is {t.dtype}{list(t.shape)}; "
                               f"convert quantizes 2-D {'/'.join(FLOAT_SOURCE_DTYPES)} matrices only",
                               "this checkpoint's layout needs a family-specific converter")
@@ -113,7 +115,7 @@ def _quant_item(t: TensorInfo, scheme: Scheme, role: str, flag: str) -> Item:
                          f"use {flag} int8 for this model")
     parts = (Part(qweight_name(t.name), scheme.qdtype, scheme.qweight_shape(rows, cols)),
              Part(scales_name(t.name), SCALES_DTYPE, scheme.scales_shape(rows, cols)))
-    return Item(t, scheme.name, scheme, parts)
+    return Item(t, scheme.name, scheme, parts, scale)
 
 
 def _float_item(t: TensorInfo, scheme: str) -> Item:
@@ -147,7 +149,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
                config_bytes: bytes) -> JobPlan:
     """Assign every source tensor a scheme and a place; raise a clear error for anything not convertible."""
     expert_scheme = BY_OPTION[experts]
-    dense_scheme = BY_OPTION.get(dense)          # None for bf16
+    dense_scheme = BY_OPTION.get(dense)          # None for the float schemes (f32, bf16)
     skipped = tuple(layout.skipped_prefixes)
     dense_names = set(spec.dense_matrices)
     known = {*layout.embeddings, *layout.norms, *(n for _, n in layout.routers), *layout.required}
@@ -158,12 +160,17 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
     expert_names: set[str] = set()
     for ex in layout.experts:
         items = []
+        consumed = fp8_source.scales_of(index, ex.tensors)   # read with their FP8 weights, never written
+        expert_names |= consumed
         for name in ex.tensors:
+            if name in consumed:
+                continue
             if name not in index:
                 raise CheckpointError(f"{index.shard_sets[0].directory}: routed-expert tensor {name!r} "
                                       "named by the family's layout is missing",
                                       "the checkpoint is incomplete, or its family plugin does not match it")
-            items.append(_quant_item(index[name], expert_scheme, "routed-expert", "--experts"))
+            items.append(_quant_item(index[name], expert_scheme, "routed-expert", "--experts",
+                                     fp8_source.scale_for(index, name)))
             expert_names.add(name)
         expert_items.setdefault(ex.layer, []).append((ex.expert, items))
 
@@ -175,7 +182,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
         if t.name.startswith(skipped) or t.name not in known or not floaty:
             item = _float_item(t, COPY_SCHEME)
         elif t.name in dense_names and len(t.shape) == 2:
-            item = _quant_item(t, dense_scheme, "dense", "--dense") if dense_scheme else _float_item(t, "bf16")
+            item = _quant_item(t, dense_scheme, "dense", "--dense") if dense_scheme else _float_item(t, dense)
         else:
             item = _float_item(t, "f32")
         plain.setdefault(_layer_of(t.name), []).append(item)

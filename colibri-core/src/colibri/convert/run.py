@@ -30,13 +30,14 @@ from .container import (
 )
 from .io import produce
 from .plan import JobPlan, ShardPlan, build_plan
-from .schemes import BY_OPTION, NonFiniteError, ScaleOverflowError
+from .schemes import BY_OPTION, FLOAT_SCHEMES, NonFiniteError, ScaleOverflowError
+from .spec import DENSE_SCHEMES, EXPERT_SCHEMES
 
 WORK_DIR = ".colibri-convert"
 JOB_FILE = "job.json"
 LOCK_FILE = "lock"
-EXPERT_OPTIONS = ("int8", "int4")
-DENSE_OPTIONS = ("bf16", "int8", "int4")
+EXPERT_OPTIONS = EXPERT_SCHEMES
+DENSE_OPTIONS = DENSE_SCHEMES        # f32 / bf16 keep dense matrices as floats; int8 / int4 quantize them
 
 
 class Reporter(Protocol):
@@ -251,7 +252,7 @@ def _index_bytes(plan: JobPlan) -> bytes:
     index = {
         "metadata": {"total_size": plan.total_size(), KEY_CONTAINER: CONTAINER_NAME, KEY_VERSION: CONTAINER_VERSION,
                      KEY_JOB: plan.job, "colibri.experts": BY_OPTION[plan.experts].name,
-                     "colibri.dense": plan.dense if plan.dense == "bf16" else BY_OPTION[plan.dense].name},
+                     "colibri.dense": plan.dense if plan.dense in FLOAT_SCHEMES else BY_OPTION[plan.dense].name},
         "weight_map": dict(sorted(plan.weight_map().items())),
     }
     return (json.dumps(index, indent=2) + "\n").encode()

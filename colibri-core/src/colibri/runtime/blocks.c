@@ -19,6 +19,13 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
         l->cols = cols;
         return qrc;
     }
+    int frc = cb_fp8_load(&l->w, &l->f8, idx, name, rows, cols, bytes, err, errlen);
+    if (frc <= 0) {   /* block-quantized fp8 (a scale companion exists), or refused */
+        l->fp8 = frc == 0;
+        l->rows = rows;
+        l->cols = cols;
+        return frc;
+    }
     int64_t dims[2] = {rows, cols};
     const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
     if (!t) return -1;
@@ -64,23 +71,31 @@ void cb_linear_free(cb_linear *l) {
 }
 
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
-    if (!l->quantized) return 0;
+    if (!l->quantized && !l->fp8) return 0;
     float *w = malloc((size_t)l->rows * (size_t)l->cols * sizeof(float) + 1);
     if (!w) {
         snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", l->rows, l->cols);
         return -1;
     }
-    for (int r = 0; r < l->rows; r++) cb_qdequant_row(w + (size_t)r * (size_t)l->cols, &l->q, r);
+    for (int r = 0; r < l->rows; r++) {
+        if (l->fp8) cb_fp8_dequant_row(w + (size_t)r * (size_t)l->cols, &l->f8, r);
+        else cb_qdequant_row(w + (size_t)r * (size_t)l->cols, &l->q, r);
+    }
     free(l->w);
     l->w = w;
     l->dt = CB_F32;
     l->quantized = 0;
+    l->fp8 = 0;
     return 0;
 }
 
 void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) {
     if (l->quantized) {
         cb_qlinear_apply(&l->q, Y, X, n);
+        return;
+    }
+    if (l->fp8) {
+        cb_fp8_matmul(Y, &l->f8, X, n);
         return;
     }
     if (n == 1) cb_matvec(Y, l->w, l->dt, X, l->rows, l->cols);
@@ -92,12 +107,23 @@ void cb_embed(float *out, const cb_linear *emb, int token) {
         cb_qdequant_row(out, &emb->q, token);
         return;
     }
+    if (emb->fp8) {
+        cb_fp8_dequant_row(out, &emb->f8, token);
+        return;
+    }
     size_t row = (size_t)token * (size_t)emb->cols;
     to_f32(out, (const char *)emb->w + row * cb_dtype_size(emb->dt), emb->dt, (size_t)emb->cols);
 }
 
 void cb_add(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+void cb_swiglu_clamp(float *gate, float *up, size_t n, float limit) {
+    for (size_t i = 0; i < n; i++) {
+        gate[i] = gate[i] > limit ? limit : gate[i];
+        up[i] = up[i] < -limit ? -limit : up[i] > limit ? limit : up[i];
+    }
 }
 
 void cb_clamp(float *x, size_t n, float limit) {
@@ -226,8 +252,11 @@ void cb_rope_free(cb_rope *r) {
 void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int pos) {
     if (r->neox) cb_rope_neox(x, n_heads, head_dim, r->rot_dim, pos, r->inv_freq);
     else cb_rope_interleaved(x, n_heads, head_dim, r->rot_dim, pos, r->inv_freq);
+    /* The factor scales cos and sin, so only the rotated dimensions of each head (the first rot_dim, in both
+     * layouts); a partially rotated head keeps its pass-through part as is. */
     if (r->attention_factor != 1.0f)
-        for (int i = 0; i < n_heads * head_dim; i++) x[i] *= r->attention_factor;
+        for (int h = 0; h < n_heads; h++)
+            for (int i = 0; i < r->rot_dim; i++) x[(size_t)h * (size_t)head_dim + (size_t)i] *= r->attention_factor;
 }
 
 /* ---- attention ---- */
@@ -442,7 +471,8 @@ static void predict_next(cb_moe *m, const float *x) {
     cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
     if (!nx || !nx->router.w || nx->hidden != m->hidden || nx->n_experts > 4096) return;
     int E = nx->n_experts, K = nx->top_k;
-    cb_matvec(m->next_logits, nx->router.w, nx->router.dt, x, E, m->hidden);
+    if (nx->router.fp8) cb_linear_apply(&nx->router, m->next_logits, x, 1);
+    else cb_matvec(m->next_logits, nx->router.w, nx->router.dt, x, E, m->hidden);
     cb_expert_layer *S = &nx->store;
     memset(S->predicted, 0, (size_t)E);
     for (int j = 0; j < K; j++) {   /* top-k of the logits = top-k of the softmax */
@@ -469,6 +499,15 @@ static void score_prediction(cb_moe *m) {
     S->has_prediction = 0;
 }
 
+/* Y = matrix `mat` of a float, native fp8 or fp4 expert applied to n input rows (fp8 gives the float path's bits on
+ * the dequantized weights, fp8.h). */
+static void expert_apply(float *Y, const cb_expert_view *ex, int mat, const float *X, int n, int rows, int cols) {
+    if (ex->fp4) cb_fp4_matmul(Y, &ex->f4[mat], X, n);
+    else if (ex->fp8) cb_fp8_matmul(Y, &ex->f8[mat], X, n);
+    else if (n == 1) cb_matvec(Y, ex->w[mat], ex->dt[mat], X, rows, cols);
+    else cb_matmul(Y, ex->w[mat], ex->dt[mat], X, n, rows, cols);
+}
+
 /* Run expert e on the given rows (their (row, choice) pairs in m->pair_of_row) into m->y. */
 static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
     int H = m->hidden, I = m->inter;
@@ -485,16 +524,11 @@ static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, siz
     }
     for (int r = 0; r < rows; r++)
         memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-    if (rows == 1) {
-        cb_matvec(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, I, H);
-        cb_matvec(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, I, H);
-    } else {
-        cb_matmul(m->gate, ex.w[CB_GATE], ex.dt[CB_GATE], m->xs, rows, I, H);
-        cb_matmul(m->up, ex.w[CB_UP], ex.dt[CB_UP], m->xs, rows, I, H);
-    }
+    expert_apply(m->gate, &ex, CB_GATE, m->xs, rows, I, H);
+    expert_apply(m->up, &ex, CB_UP, m->xs, rows, I, H);
+    if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
     cb_silu_mul(m->gate, m->up, rows * I);
-    if (rows == 1) cb_matvec(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, H, I);
-    else cb_matmul(m->down, ex.w[CB_DOWN], ex.dt[CB_DOWN], m->gate, rows, H, I);
+    expert_apply(m->down, &ex, CB_DOWN, m->gate, rows, H, I);
     for (int r = 0; r < rows; r++)
         memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
                (size_t)H * sizeof(float));

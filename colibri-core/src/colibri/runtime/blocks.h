@@ -11,6 +11,7 @@
 
 #include "engine.h"
 #include "experts.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "quant.h"
 #include "safetensors.h"
@@ -19,24 +20,35 @@
 
 /* A row-major weight matrix [rows, cols] kept in its stored dtype, or, from a colibri-quant container, as
  * int8/int4 levels + scales (quantized = 1: q describes the matrix, w owns its bytes, dt is meaningless and
- * cb_linear_apply / cb_embed go through the integer kernels of qlinear.h). */
+ * cb_linear_apply / cb_embed go through the integer kernels of qlinear.h), or, from a native block-quantized
+ * fp8 checkpoint, as e4m3 bytes + 128x128 block scales (fp8 = 1: f8 describes the matrix, w owns its bytes, dt
+ * is meaningless and cb_linear_apply / cb_embed go through fp8.h). Code that reads w directly must first call
+ * cb_linear_dequantize. */
 typedef struct {
     void *w;
     cb_dtype dt;
     int rows, cols;
     int quantized;
     cb_qmatrix q;
+    int fp8;
+    cb_fp8matrix f8;
 } cb_linear;
 
-/* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. */
+/* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. Whatever the family, the stored form
+ * is picked from the checkpoint, never from a name list: a colibri-quant container's int8/int4 entry; else, when
+ * the checkpoint has a scale companion `<name>_scale_inv` (or `P.scale` for `P.weight`), an F8_E4M3 matrix with
+ * 128x128 block scales (fp8.h: cb_fp8_locate checks dtype, shape and the scale grid [ceil(rows/128),
+ * ceil(cols/128)], F32/BF16/F8_E8M0); else the float tensor (F32/BF16/F16). cb_linear_apply then computes
+ * exactly what the float path computes on the dequantized f32 weights (e4m3 * scale, one f32 rounding). */
 int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
                    char *err, size_t errlen);
 /* Load a vector of n weights converted to f32 (norm weights, biases). */
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);
 void cb_linear_free(cb_linear *l);
-/* Turn a quantized linear into an F32 one holding level * scale exactly (a no-op for a float one), for the
- * blocks that read weights directly instead of through cb_linear_apply (MLA's absorbed kv_b). 0 or -1. */
+/* Turn a quantized (or fp8) linear into an F32 one holding level * scale (e4m3 * block scale) exactly (a no-op
+ * for a float one), for the blocks that read weights directly instead of through cb_linear_apply (MLA's
+ * absorbed kv_b). 0 or -1. */
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);
 
 /* Y[i] = W X[i] for n rows (X: n x cols, Y: n x rows). */
@@ -47,6 +59,8 @@ void cb_embed(float *out, const cb_linear *emb, int token);
 void cb_add(float *y, const float *x, size_t n);
 /* Clamp every element to [-limit, limit]. */
 void cb_clamp(float *x, size_t n, float limit);
+/* The clamped SwiGLU's inputs (DeepSeek-V4): gate[i] = min(gate[i], limit), up[i] clamped to [-limit, limit]. */
+void cb_swiglu_clamp(float *gate, float *up, size_t n, float limit);
 
 /* ---- rotary position embedding ---- */
 
@@ -86,6 +100,7 @@ void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0,
 
 typedef struct {
     int n_experts, top_k, norm_topk_prob, hidden, inter, max_batch;
+    float swiglu_limit;        /* > 0: clamp gate to <= limit and up to [-limit, limit] before silu (DeepSeek-V4) */
     cb_linear router;          /* [n_experts, hidden] */
     cb_expert_layer store;
     /* scratch */

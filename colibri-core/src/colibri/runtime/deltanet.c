@@ -68,36 +68,61 @@ void cb_deltanet_free(cb_deltanet *d) {
     memset(d, 0, sizeof *d);
 }
 
-/* torch.nn.functional.softplus with its default threshold: linear above 20. */
-static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+float cb_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-static void l2norm(float *x, int n) {
+void cb_l2norm(float *x, int n) {
     double sum = 0;
     for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
     float inv = 1.0f / sqrtf((float)sum + 1e-6f);
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
-/* Depthwise causal conv1d + silu over n rows, channel by channel, sliding each channel's window. */
-static void conv_silu(const cb_deltanet *d, float *window, float *x, int n) {
-    int K = d->c.kernel, W = K - 1, C = d->conv_dim;
+/* Channel by channel, sliding each channel's window. */
+void cb_short_conv_silu(const float *w, int channels, int kernel, float *window, float *x, int n) {
+    int K = kernel, W = K - 1, C = channels;
     for (int c = 0; c < C; c++) {
         float buf[CB_DELTANET_MAX_KERNEL];
         float *win = window + (size_t)c * (size_t)W;
-        const float *w = d->conv_w + (size_t)c * (size_t)K;
+        const float *wc = w + (size_t)c * (size_t)K;
         memcpy(buf, win, (size_t)W * sizeof(float));
         for (int t = 0; t < n; t++) {
             float *xt = x + (size_t)t * (size_t)C + c;
             buf[W] = *xt;
             float acc = 0;
-            for (int j = 0; j < K; j++) acc += w[j] * buf[j];
+            for (int j = 0; j < K; j++) acc += wc[j] * buf[j];
             memmove(buf, buf + 1, (size_t)W * sizeof(float));
             *xt = acc / (1.0f + expf(-acc));
         }
         memcpy(win, buf, (size_t)W * sizeof(float));
     }
+}
+
+void cb_delta_rule_step(float *S, int dk, int dv, const float *decay, int decay_stride, const float *k,
+                        const float *v, float beta, const float *q, float *o) {
+    /* Dot products accumulate in double: the state carries rounding from every past token, and the
+     * tiny-model oracle tests showed f32 accumulation alone costing ~1e-4 on logits. */
+    double acc[CB_DELTANET_MAX_VDIM];
+    for (int e = 0; e < dv; e++) acc[e] = 0.0;
+    for (int i = 0; i < dk; i++) {
+        float *Si = S + (size_t)i * (size_t)dv, di = decay[(size_t)i * (size_t)decay_stride];
+        for (int e = 0; e < dv; e++) {
+            Si[e] *= di;
+            acc[e] += (double)Si[e] * (double)k[i];
+        }
+    }
+    for (int e = 0; e < dv; e++) o[e] = (v[e] - (float)acc[e]) * beta;
+    for (int i = 0; i < dk; i++) {
+        float *Si = S + (size_t)i * (size_t)dv;
+        for (int e = 0; e < dv; e++) Si[e] += k[i] * o[e];
+    }
+    for (int e = 0; e < dv; e++) acc[e] = 0.0;
+    for (int i = 0; i < dk; i++) {
+        const float *Si = S + (size_t)i * (size_t)dv;
+        for (int e = 0; e < dv; e++) acc[e] += (double)Si[e] * (double)q[i];
+    }
+    for (int e = 0; e < dv; e++) o[e] = (float)acc[e];
 }
 
 typedef struct {
@@ -122,29 +147,8 @@ static void run_head(void *ctx, int h) {
         const float *v = row + 2 * (size_t)key_width + (size_t)h * (size_t)dv;
         float *o = j->out + (size_t)t * (size_t)value_width + (size_t)h * (size_t)dv;
         float beta = sigmoid(j->b[(size_t)t * (size_t)c->n_v_heads + h]);
-        float decay = expf(d->neg_A[h] * softplus(j->a[(size_t)t * (size_t)c->n_v_heads + h] + d->dt_bias[h]));
-        /* Dot products accumulate in double: the state carries rounding from every past token, and the
-         * tiny-model oracle tests showed f32 accumulation alone costing ~1e-4 on logits. */
-        double acc[CB_DELTANET_MAX_VDIM];
-        for (int e = 0; e < dv; e++) acc[e] = 0.0;
-        for (int i = 0; i < dk; i++) {
-            float *Si = S + (size_t)i * (size_t)dv;
-            for (int e = 0; e < dv; e++) {
-                Si[e] *= decay;
-                acc[e] += (double)Si[e] * (double)k[i];
-            }
-        }
-        for (int e = 0; e < dv; e++) o[e] = (v[e] - (float)acc[e]) * beta;
-        for (int i = 0; i < dk; i++) {
-            float *Si = S + (size_t)i * (size_t)dv;
-            for (int e = 0; e < dv; e++) Si[e] += k[i] * o[e];
-        }
-        for (int e = 0; e < dv; e++) acc[e] = 0.0;
-        for (int i = 0; i < dk; i++) {
-            const float *Si = S + (size_t)i * (size_t)dv;
-            for (int e = 0; e < dv; e++) acc[e] += (double)Si[e] * (double)q[i];
-        }
-        for (int e = 0; e < dv; e++) o[e] = (float)acc[e];
+        float decay = expf(d->neg_A[h] * cb_softplus(j->a[(size_t)t * (size_t)c->n_v_heads + h] + d->dt_bias[h]));
+        cb_delta_rule_step(S, dk, dv, &decay, 0, k, v, beta, q, o);
         cb_rmsnorm(o, o, d->norm, dv, c->eps);
         const float *zt = j->z + (size_t)t * (size_t)value_width + (size_t)h * (size_t)dv;
         for (int e = 0; e < dv; e++) o[e] *= zt[e] * sigmoid(zt[e]);
@@ -155,11 +159,11 @@ void cb_deltanet_forward(const cb_deltanet *d, float *state, float *out, float *
                          const float *a, int n) {
     const cb_deltanet_config *c = &d->c;
     float *window = state, *memory = state + (size_t)d->conv_dim * (size_t)(c->kernel - 1);
-    conv_silu(d, window, x, n);
+    cb_short_conv_silu(d->conv_w, d->conv_dim, c->kernel, window, x, n);
     float scale = 1.0f / sqrtf((float)c->k_dim);
     for (int t = 0; t < n; t++) {
         float *row = x + (size_t)t * (size_t)d->conv_dim;
-        for (int h = 0; h < 2 * c->n_k_heads; h++) l2norm(row + (size_t)h * (size_t)c->k_dim, c->k_dim);
+        for (int h = 0; h < 2 * c->n_k_heads; h++) cb_l2norm(row + (size_t)h * (size_t)c->k_dim, c->k_dim);
         for (int i = 0; i < c->n_k_heads * c->k_dim; i++) row[i] *= scale;
     }
     head_job job = {d, memory, out, x, z, b, a, n};

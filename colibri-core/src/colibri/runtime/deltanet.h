@@ -51,4 +51,18 @@ void cb_deltanet_free(cb_deltanet *d);
 void cb_deltanet_forward(const cb_deltanet *d, float *state, float *out, float *x, const float *z, const float *b,
                          const float *a, int n);
 
+/* ---- the pieces Kimi Delta Attention (kda.h) shares with this block ---- */
+
+/* torch.nn.functional.softplus with its default threshold: linear above 20. */
+float cb_softplus(float x);
+/* x /= sqrt(sum x^2 + 1e-6), the FLA l2norm both linear attentions apply to q and k. */
+void cb_l2norm(float *x, int n);
+/* Depthwise causal conv1d + silu over n rows of `channels` (x: n x channels, in place). w: [channels][kernel];
+ * window: [channels][kernel - 1], the previous inputs, advanced in place. kernel <= CB_DELTANET_MAX_KERNEL. */
+void cb_short_conv_silu(const float *w, int channels, int kernel, float *window, float *x, int n);
+/* One delta-rule step of one head's memory S [dk][dv]: row i of S decays by decay[i * decay_stride] (stride 0: one
+ * decay for the whole head), then S += k (beta (v - S^T k))^T, and o = S^T q. dv <= CB_DELTANET_MAX_VDIM. */
+void cb_delta_rule_step(float *S, int dk, int dv, const float *decay, int decay_stride, const float *k,
+                        const float *v, float beta, const float *q, float *o);
+
 #endif

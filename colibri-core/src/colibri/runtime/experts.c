@@ -165,6 +165,20 @@ static int raw_read(const cb_expert_layer *L, int e, void *buf, size_t *data_off
         return pread_all(fd, buf, loc->span_bytes, loc->span_offset, loc->span_bytes, idx->shard_paths[sh], err,
                          errlen);
     }
+    if (loc->two_spans) {   /* fp8: the weights' span at rel[0]'s base, the scales' span at rel_scales[]'s */
+        int sh = loc->shard[0], fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
+        size_t wbase = loc->rel[0] - (size_t)(loc->offset[0] - loc->span_offset);
+        size_t sbase = loc->rel_scales[0] - (size_t)(loc->sc_offset[0] - loc->sc_span_offset);
+        int ssh = loc->sc_shard[0];
+        int sfd = own && shards.buffered_fd[ssh] >= 0 ? shards.buffered_fd[ssh] : idx->fds[ssh];
+        if (pread_all(fd, (char *)buf + wbase, loc->span_bytes, loc->span_offset, loc->span_bytes,
+                      idx->shard_paths[sh], err, errlen) ||
+            pread_all(sfd, (char *)buf + sbase, loc->sc_span_bytes, loc->sc_span_offset, loc->sc_span_bytes,
+                      idx->shard_paths[ssh], err, errlen))
+            return -1;
+        __atomic_add_fetch(&cb_prof.buffered_reads, 2, __ATOMIC_RELAXED);
+        return 0;
+    }
     for (int m = 0; m < 3; m++) {
         int sh = loc->shard[m];
         int fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
@@ -172,14 +186,139 @@ static int raw_read(const cb_expert_layer *L, int e, void *buf, size_t *data_off
                       idx->shard_paths[sh], err, errlen))
             return -1;
     }
-    __atomic_add_fetch(&cb_prof.buffered_reads, 3, __ATOMIC_RELAXED);
+    for (int m = 0; loc->fp8 && m < 3; m++) {
+        int sh = loc->sc_shard[m];
+        int fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
+        if (pread_all(fd, (char *)buf + loc->rel_scales[m], loc->sc_nbytes[m], loc->sc_offset[m],
+                      loc->sc_nbytes[m], idx->shard_paths[sh], err, errlen))
+            return -1;
+    }
+    __atomic_add_fetch(&cb_prof.buffered_reads, loc->fp8 ? 6 : 3, __ATOMIC_RELAXED);
     return 0;
 }
 
 static void count_read(cb_expert_layer *L, int e) {
     const cb_expert_location *loc = &L->loc[e];
-    L->count.reads += loc->single_read ? 1 : 3;
-    L->count.bytes_read += loc->single_read ? loc->span_bytes : loc->nbytes[0] + loc->nbytes[1] + loc->nbytes[2];
+    L->count.reads += loc->single_read ? 1 : loc->two_spans ? 2 : loc->fp8 ? 6 : 3;
+    uint64_t pieces = loc->nbytes[0] + loc->nbytes[1] + loc->nbytes[2];
+    if (loc->fp8) pieces += loc->sc_nbytes[0] + loc->sc_nbytes[1] + loc->sc_nbytes[2];
+    L->count.bytes_read += loc->single_read ? loc->span_bytes : pieces;
+}
+
+/* Locate a native expert's three matrices, and their block scales when the checkpoint is fp8 (all three or
+ * none: a scale companion on only some of them is refused). */
+static int locate_native(cb_expert_location *loc, const cb_st_index *idx, const char *const names[3], int layer,
+                         int e, int hidden, int inter, char *err, size_t errlen) {
+    for (int m = 0; m < 3; m++) {
+        char name[512];
+        snprintf(name, sizeof name, names[m], layer, e);
+        int rows = m == CB_DOWN ? hidden : inter, cols = m == CB_DOWN ? inter : hidden;
+        const cb_tensor *t, *sc;
+        int rc4 = cb_fp4_locate(idx, name, rows, cols, &t, &sc, err, errlen);   /* fp4 first: I8/U8/F4 + scale */
+        if (rc4 < 0) return -1;
+        int rc = rc4 == 0 ? 0 : cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
+        if (rc < 0) return -1;
+        if (m > 0 && rc == 0 && (rc4 == 0) != loc->fp4) {
+            snprintf(err, errlen, "layer %d expert %d: %s is %s but its other matrices are not; an expert's three "
+                     "matrices share one format", layer, e, name, rc4 == 0 ? "fp4" : "fp8");
+            return -1;
+        }
+        if (m > 0 && (rc == 0) != loc->fp8) {
+            snprintf(err, errlen, "layer %d expert %d: %s %s a block-scale companion but its other matrices %s; "
+                     "an expert is fp8 in all three matrices or in none", layer, e, name, rc ? "lacks" : "has",
+                     rc ? "have one" : "do not");
+            return -1;
+        }
+        if (rc == 1) {
+            int64_t dims[2] = {rows, cols};
+            if (!(t = cb_st_expect(idx, name, 2, dims, err, errlen))) return -1;
+        } else {
+            loc->fp8 = 1;
+            loc->fp4 = rc4 == 0;
+            loc->sc_offset[m] = sc->offset;
+            loc->sc_nbytes[m] = sc->nbytes;
+            loc->sc_shard[m] = sc->shard;
+            if (loc->fp4) cb_fp4_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
+            else cb_fp8_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
+        }
+        loc->offset[m] = t->offset;
+        loc->nbytes[m] = t->nbytes;
+        loc->dt[m] = t->dtype;   /* meaningless for fp8 (the view's f8[] describes the matrices) */
+        loc->shard[m] = t->shard;
+    }
+    return 0;
+}
+
+/* Whether three pieces tile one span of one shard (in any order); its start and length. */
+static int tiles_span(const uint64_t *off, const uint64_t *nb, const int *sh, uint64_t *lo_out, uint64_t *bytes) {
+    uint64_t lo = off[0], hi = off[0] + nb[0], total = 0;
+    for (int k = 0; k < 3; k++) {
+        if (sh[k] != sh[0]) return 0;
+        if (off[k] < lo) lo = off[k];
+        if (off[k] + nb[k] > hi) hi = off[k] + nb[k];
+        total += nb[k];
+    }
+    *lo_out = lo;
+    *bytes = total;
+    return hi - lo == total;
+}
+
+/* Where each piece goes in the slot buffer; returns the bytes the expert needs. One read when the pieces (three
+ * matrices, plus three scale tensors for fp8) tile one span of one shard, in any order, each float matrix
+ * aligned for its dtype inside the buffer (the buffer itself is page aligned; fp8 bytes and scales are read
+ * unaligned). */
+static size_t plan_pieces(cb_expert_location *loc) {
+    int np = loc->fp8 ? 6 : 3;
+    uint64_t off[6], nb[6];
+    int sh[6];
+    for (int m = 0; m < 3; m++) {
+        off[m] = loc->offset[m], nb[m] = loc->nbytes[m], sh[m] = loc->shard[m];
+        if (loc->fp8) off[3 + m] = loc->sc_offset[m], nb[3 + m] = loc->sc_nbytes[m], sh[3 + m] = loc->sc_shard[m];
+    }
+    uint64_t lo = off[0], hi = off[0] + nb[0], total = 0;
+    int same_shard = 1, aligned = 1;
+    for (int k = 0; k < np; k++) {
+        if (off[k] < lo) lo = off[k];
+        if (off[k] + nb[k] > hi) hi = off[k] + nb[k];
+        total += nb[k];
+        same_shard &= sh[k] == sh[0];
+    }
+    for (int m = 0; m < 3 && !loc->fp8; m++)
+        if ((off[m] - lo) % cb_dtype_size(loc->dt[m])) aligned = 0;
+    loc->single_read = same_shard && aligned && hi - lo == total;
+    size_t rel[6];
+    size_t need;
+    uint64_t wlo, wbytes, slo, sbytes;
+    if (loc->single_read) {
+        loc->span_offset = lo;
+        loc->span_bytes = total;
+        for (int k = 0; k < np; k++) rel[k] = (size_t)(off[k] - lo);
+        need = (size_t)total;
+    } else if (loc->fp8 && tiles_span(off, nb, sh, &wlo, &wbytes) && tiles_span(off + 3, nb + 3, sh + 3, &slo, &sbytes)) {
+        loc->two_spans = 1;
+        loc->span_offset = wlo;
+        loc->span_bytes = wbytes;
+        loc->sc_span_offset = slo;
+        loc->sc_span_bytes = sbytes;
+        size_t sbase = ((size_t)wbytes + 63) / 64 * 64;
+        for (int m = 0; m < 3; m++) {
+            rel[m] = (size_t)(off[m] - wlo);
+            rel[3 + m] = sbase + (size_t)(off[3 + m] - slo);
+        }
+        need = sbase + (size_t)sbytes;
+    } else {
+        size_t at = 0;
+        for (int k = 0; k < np; k++) {
+            rel[k] = at;
+            at += ((size_t)nb[k] + 63) / 64 * 64;
+        }
+        need = at;
+    }
+    for (int m = 0; m < 3; m++) {
+        loc->rel[m] = rel[m];
+        if (loc->fp8) loc->rel_scales[m] = rel[3 + m];
+    }
+    return need;
 }
 
 /* ---- the store ---- */
@@ -228,46 +367,11 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
             if (loc->span_bytes > L->slot_bytes) L->slot_bytes = (size_t)loc->span_bytes;
             continue;
         }
-        const cb_tensor *t[3];
-        for (int m = 0; m < 3; m++) {
-            char name[512];
-            snprintf(name, sizeof name, names[m], layer, e);
-            int64_t dims[2] = {m == CB_DOWN ? hidden : inter, m == CB_DOWN ? inter : hidden};
-            if (!(t[m] = cb_st_expect(idx, name, 2, dims, err, errlen))) {
-                cb_experts_free(L);
-                return -1;
-            }
-            loc->offset[m] = t[m]->offset;
-            loc->nbytes[m] = t[m]->nbytes;
-            loc->dt[m] = t[m]->dtype;
-            loc->shard[m] = t[m]->shard;
+        if (locate_native(loc, idx, names, layer, e, hidden, inter, err, errlen)) {
+            cb_experts_free(L);
+            return -1;
         }
-        /* One read when the three matrices tile one span of one shard, in any order, each aligned for its
-         * dtype inside the slot buffer (the buffer itself is page aligned). */
-        uint64_t lo = loc->offset[0], hi = loc->offset[0] + loc->nbytes[0], total = 0;
-        int same_shard = loc->shard[1] == loc->shard[0] && loc->shard[2] == loc->shard[0], aligned = 1;
-        for (int m = 0; m < 3; m++) {
-            if (loc->offset[m] < lo) lo = loc->offset[m];
-            if (loc->offset[m] + loc->nbytes[m] > hi) hi = loc->offset[m] + loc->nbytes[m];
-            total += loc->nbytes[m];
-        }
-        for (int m = 0; m < 3; m++)
-            if ((loc->offset[m] - lo) % cb_dtype_size(loc->dt[m])) aligned = 0;
-        loc->single_read = same_shard && aligned && hi - lo == total;
-        size_t need;
-        if (loc->single_read) {
-            loc->span_offset = lo;
-            loc->span_bytes = total;
-            for (int m = 0; m < 3; m++) loc->rel[m] = (size_t)(loc->offset[m] - lo);
-            need = (size_t)total;
-        } else {
-            size_t at = 0;
-            for (int m = 0; m < 3; m++) {
-                loc->rel[m] = at;
-                at += ((size_t)loc->nbytes[m] + 63) / 64 * 64;
-            }
-            need = at;
-        }
+        size_t need = plan_pieces(loc);
         if (need > L->slot_bytes) L->slot_bytes = need;
     }
     /* Slack for a direct read that starts up to one page before the span and ends on a page boundary. */
@@ -569,6 +673,16 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         view->dt[m] = L->loc[e].dt[m];
     }
     cb_qexperts_view(&L->loc[e], (const char *)L->buf[s] + L->data_off[s], view);
+    view->fp4 = L->loc[e].fp4;
+    view->fp8 = L->loc[e].fp8 && !view->fp4;
+    for (int m = 0; L->loc[e].fp8 && m < 3; m++) {
+        const char *base = (const char *)L->buf[s] + L->data_off[s];
+        cb_fp8matrix f = {m == CB_DOWN ? L->hidden : L->inter, m == CB_DOWN ? L->inter : L->hidden,
+                          (const uint8_t *)(base + L->loc[e].rel[m]), base + L->loc[e].rel_scales[m],
+                          L->loc[e].sc_kind[m]};
+        if (view->fp4) view->f4[m] = (cb_fp4matrix){f.rows, f.cols, f.w, f.scales, f.scale_kind};
+        else view->f8[m] = f;
+    }
     return 0;
 }
 

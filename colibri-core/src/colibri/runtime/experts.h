@@ -3,6 +3,9 @@
  * Experts stay on disk until a token routes to them. Each layer keeps `cap` slots and evicts the least
  * recently used unpinned expert on a miss. A miss costs ONE read when the expert's gate, up and down matrices
  * are adjacent in the same shard (the layout safetensors gives per-expert tensors), else one read per matrix.
+ * A native fp8 expert (matrices with weight_scale_inv companions, fp8.h) counts its three scale tensors as
+ * pieces too: one read when all six tile one span, two when the weights and the scales each tile one (the
+ * layout safetensors writes, grouping tensors by dtype), else six.
  * Slot buffers are allocated on first use, so a generous cap costs nothing until the experts are touched.
  * Every buffer has the size of the largest expert of any layer (plus direct-I/O alignment slack), so a staged
  * read can be swapped into any slot instead of copied.
@@ -19,6 +22,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fp4.h"
+#include "fp8.h"
 #include "qcontainer.h"
 #include "quant.h"
 #include "safetensors.h"
@@ -31,6 +36,10 @@ typedef struct {
     cb_dtype dt[3];
     int quantized;             /* colibri-quant expert: q[] holds the matrices (qlinear.h), w/dt are unused */
     cb_qmatrix q[3];
+    int fp8;                   /* block-quantized fp8 expert: f8[] holds the matrices (fp8.h), w/dt are unused */
+    cb_fp8matrix f8[3];
+    int fp4;                   /* fp4 expert (DeepSeek-V4): f4[] holds the matrices (fp4.h); fp8 is then 0 */
+    cb_fp4matrix f4[3];
 } cb_expert_view;
 
 typedef struct {
@@ -43,6 +52,16 @@ typedef struct {
     int quantized;             /* colibri-quant: located by cb_qexperts_locate, always one read */
     const cb_qc_entry *qe[3];  /* the container entries of gate, up, down */
     size_t rel_scales[3];      /* where each matrix's scales start inside the slot buffer (rel[] = levels) */
+    int fp8;                   /* native fp8: each matrix has a block-scale tensor (the sc_* fields); the six
+                                * tensors are one read when they tile one span, two when the weights tile one
+                                * span and the scales another (safetensors groups tensors by dtype), else six */
+    int two_spans;             /* fp8 only: weights at span_offset/span_bytes, scales at sc_span_* */
+    uint64_t sc_span_offset, sc_span_bytes;
+    int sc_shard[3];
+    uint64_t sc_offset[3], sc_nbytes[3];
+    cb_fp8_scale_kind sc_kind[3];
+    int fp4;                   /* with fp8 = 1: the scaled pieces are fp4 + per-32 scales (fp4.h), not e4m3; the
+                                * sc_* fields and the read planning serve both */
 } cb_expert_location;
 
 typedef struct {

@@ -14,7 +14,8 @@ int cb_grouped_moe_init(cb_grouped_moe *m, const cb_st_index *idx, int layer, co
     if (cb_grouped_router_check(&m->route, err, errlen)) return -1;
     char prefix[448], name[512], fmts[3][512];
     snprintf(prefix, sizeof prefix, prefix_fmt, layer);
-    static const char *const mats[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char *const default_mats[3] = {"gate_proj", "up_proj", "down_proj"};
+    const char *const *mats = s->expert_mats ? s->expert_mats : default_mats;
     /* The store formats (layer, expert): keep the layer's %d in the prefix format and add the expert's. */
     for (int i = 0; i < 3; i++) snprintf(fmts[i], sizeof fmts[i], "%sexperts.%%d.%s.weight", prefix_fmt, mats[i]);
     const char *const expert_names[3] = {fmts[0], fmts[1], fmts[2]};

@@ -25,11 +25,13 @@ typedef struct {
     int n_experts, top_k, n_group, topk_group, norm_topk_prob, n_shared;
     float routed_scaling_factor;
     int hidden, inter;         /* inter: one routed expert's width (shared experts: n_shared x inter) */
+    const char *const *expert_mats;   /* an expert's gate, up, down matrix names under experts.<e>. (NULL:
+                                       * gate_proj, up_proj, down_proj; Kimi Linear: w1, w3, w2) */
 } cb_grouped_moe_shape;
 
 /* prefix_fmt: the MLP prefix as a printf format of the layer, e.g. "model.layers.%d.mlp."; reads
  * <prefix>gate.weight, <prefix>gate.e_score_correction_bias (when has_bias),
- * <prefix>experts.<e>.{gate,up,down}_proj.weight and <prefix>shared_experts.* (when n_shared > 0). */
+ * <prefix>experts.<e>.<expert_mats>.weight and <prefix>shared_experts.* (when n_shared > 0). */
 int cb_grouped_moe_init(cb_grouped_moe *m, const cb_st_index *idx, int layer, const char *prefix_fmt,
                         const cb_grouped_moe_shape *s, int has_bias, int cap, int max_batch, size_t *dense_bytes,
                         char *err, size_t errlen);

@@ -101,9 +101,10 @@ void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int l
     for (int i = 0; i < n; i++) {
         int pos = pos0 + i;
         float *q = m->q + (size_t)i * (size_t)H * (size_t)qk, *c = m->ckv + (size_t)i * (size_t)kvw;
-        for (int hd = 0; hd < H; hd++) cb_rope_apply(rope, q + (size_t)hd * (size_t)qk + s->nope, 1, s->rope, pos);
+        if (rope)
+            for (int hd = 0; hd < H; hd++) cb_rope_apply(rope, q + (size_t)hd * (size_t)qk + s->nope, 1, s->rope, pos);
         cb_rmsnorm(c, c, m->kv_a_norm, s->kv_lora, s->lora_eps);
-        cb_rope_apply(rope, c + s->kv_lora, 1, s->rope, pos);
+        if (rope) cb_rope_apply(rope, c + s->kv_lora, 1, s->rope, pos);
         memcpy(cb_kv_k(kv, layer, pos), c, (size_t)kvw * sizeof(float));
     }
 }

@@ -42,7 +42,8 @@ int cb_mla_init(cb_mla *m, const cb_st_index *idx, const char *prefix, const cb_
 void cb_mla_free(cb_mla *m);
 
 /* Project rows h[0..n) at positions pos0..: queries (RoPE'd) into m->q, m->q_resid, and the compressed key/value
- * row of each token into the cache (layer, pos0 + i), columns [0, kv_lora + rope). */
+ * row of each token into the cache (layer, pos0 + i), columns [0, kv_lora + rope). rope == NULL leaves the
+ * "rope" part unrotated (Kimi Linear's MLA is NoPE: that part is an ordinary shared key). */
 void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int layer, const cb_rope *rope);
 
 /* out[i] = o_proj(attention of row i). sel == NULL: every position <= pos0 + i. Otherwise row i attends exactly

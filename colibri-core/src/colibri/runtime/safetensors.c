@@ -39,10 +39,13 @@ static int dtype_from_name(const char *name, cb_dtype *dt, uint64_t *size) {
     if (strcmp(name, "F32") == 0) { *dt = CB_F32; *size = 4; return 1; }
     if (strcmp(name, "BF16") == 0) { *dt = CB_BF16; *size = 2; return 1; }
     if (strcmp(name, "F16") == 0) { *dt = CB_F16; *size = 2; return 1; }
-    /* Other dtypes are indexed (a checkpoint may carry tensors the engine never reads), but flagged. */
+    /* Other dtypes are indexed (a checkpoint may carry tensors the engine never reads), but flagged. F8_E4M3
+     * weights with a block-scale companion are read through fp8.h (cb_load_linear and the expert store do it),
+     * never as a plain float tensor. */
     static const struct { const char *n; uint64_t s; } other[] = {
         {"F64", 8}, {"I64", 8}, {"U64", 8}, {"I32", 4}, {"U32", 4}, {"I16", 2}, {"U16", 2},
         {"I8", 1}, {"U8", 1}, {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+        {"F4", 0},   /* float4_e2m1fn_x2: two values per byte, the shape counts values (fp4.h) */
     };
     for (size_t i = 0; i < sizeof other / sizeof other[0]; i++)
         if (strcmp(name, other[i].n) == 0) { *dt = CB_F32; *size = other[i].s; return 0; }
@@ -157,9 +160,10 @@ static int index_shard(cb_st_index *idx, int shard, int *cap, char *err, size_t 
                      path, name, (long long)b, (long long)en, (unsigned long long)data_size);
             goto out;
         }
-        if ((uint64_t)(en - b) != numel * esize) {
+        uint64_t need = esize ? numel * esize : (numel + 1) / 2;
+        if ((uint64_t)(en - b) != need) {
             snprintf(err, errlen, "%s: tensor %s: %lld bytes stored but %s x shape needs %llu", path, name,
-                     (long long)(en - b), t.dtype_name, (unsigned long long)(numel * esize));
+                     (long long)(en - b), t.dtype_name, (unsigned long long)need);
             goto out;
         }
         t.offset = data_start + (uint64_t)b;
@@ -372,6 +376,12 @@ const cb_tensor *cb_st_expect(const cb_st_index *idx, const char *name, int ndim
     const cb_tensor *t = cb_st_find(idx, name);
     if (!t) {
         snprintf(err, errlen, "tensor %s not found in the checkpoint", name);
+        return NULL;
+    }
+    if (!t->supported && strcmp(t->dtype_name, "F8_E4M3") == 0) {
+        snprintf(err, errlen, "%s: tensor %s has dtype F8_E4M3 but no block-scale companion %s_scale_inv; the "
+                 "engine reads fp8 only as 128x128 block-quantized linear weights", idx->shard_paths[t->shard],
+                 name, name);
         return NULL;
     }
     if (!t->supported) {

@@ -16,7 +16,8 @@
 typedef struct {
     char *name;
     int shard;                 /* index into cb_st_index.shard_paths / fds */
-    int supported;             /* dtype is one the kernels take (F32, BF16, F16) */
+    int supported;             /* dtype is one the float kernels take (F32, BF16, F16); F8_E4M3 block-quantized
+                                * weights are read through fp8.h instead */
     cb_dtype dtype;
     char dtype_name[16];
     int ndim;

@@ -7,7 +7,7 @@
  * where mlp is a dense SwiGLU (leading layers) or the grouped sigmoid-routed MoE with shared experts
  * (grouped_moe.h). Multi-token-prediction layers stored after the last decoder layer are never loaded.
  * The plugin resolves config.json into --set values; mlp_layers has one letter per layer (D dense, M MoE).
- * (Kimi Linear's KDA layers have no engine yet; the plugin refuses that model type.)
+ * Kimi Linear (KDA + NoPE MLA) is its own composition in kimi_linear.c; main() below dispatches on model_type.
  */
 #include <math.h>
 #include <stdio.h>
@@ -17,6 +17,7 @@
 #include "blocks.h"
 #include "engine.h"
 #include "grouped_moe.h"
+#include "kimi_linear.h"
 #include "mla.h"
 #include "swiglu.h"
 
@@ -214,6 +215,49 @@ static int kimi_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0
     return 0;
 }
 
-static const cb_family kimi_family = {"kimi", kimi_load, kimi_forward, kimi_free};
+static const cb_family kimi_k2_family = {"kimi", kimi_load, kimi_forward, kimi_free};
+
+/* One binary runs both model types: --set model_type=kimi_linear (from the plugin) selects kimi_linear.c. */
+typedef struct {
+    const cb_family *impl;
+    void *model;
+} kimi_any;
+
+static int any_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {
+    const char *type = cb_hp_str_opt(a->hp, "model_type", "kimi_k2");
+    const cb_family *impl = !strcmp(type, "kimi_k2") ? &kimi_k2_family
+                          : !strcmp(type, "kimi_linear") ? &cb_kimi_linear_family : NULL;
+    if (!impl) {
+        snprintf(err, errlen, "--set model_type=%s: the kimi engine runs kimi_k2 and kimi_linear", type);
+        return -1;
+    }
+    kimi_any *w = calloc(1, sizeof *w);
+    if (!w) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    w->impl = impl;
+    if (impl->load(&w->model, a, info, err, errlen)) {
+        free(w);
+        return -1;
+    }
+    *out = w;
+    return 0;
+}
+
+static int any_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
+                       char *err, size_t errlen) {
+    kimi_any *w = ptr;
+    return w->impl->forward(w->model, kv, tokens, n, pos0, logits, all_logits, err, errlen);
+}
+
+static void any_free(void *ptr) {
+    kimi_any *w = ptr;
+    if (!w) return;
+    w->impl->free(w->model);
+    free(w);
+}
+
+static const cb_family kimi_family = {"kimi", any_load, any_forward, any_free};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &kimi_family); }

@@ -1,0 +1,132 @@
+"""Native block-FP8 Kimi K2 checkpoints against transformers.
+
+Kimi K2 ships its weights like DeepSeek-V3 (e4m3, 128x128 ``weight_scale_inv`` blocks, ``quantization_config``).
+The tiny kimi_k2 model is quantized here to that format (colibri.testing.fp8) with a dense width of 200 (two
+blocks, the second partial) and experts 136 wide (two blocks); the reference is transformers' DeepSeek-V3 in f32 on
+the dequantized weights. Tokens and prompt logits must match at expert-cache capacity 1 and all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from colibri.builder import build_family  # noqa: E402
+from colibri.cli import app  # noqa: E402
+from colibri.engine import Engine  # noqa: E402
+from colibri.errors import ConfigError  # noqa: E402
+from colibri.model import read_config  # noqa: E402
+from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing.fp8 import write_dequantized, write_fp8_checkpoint  # noqa: E402
+from colibri.testing.tiny import tiny_model  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from colibri_kimi.plugin import engine_hparams, tensor_layout  # noqa: E402
+
+GREEDY_TOKENS = 32
+PROMPT_TOKENS = 40
+LOGIT_TOL = 1e-4
+MIN_MARGIN = 1e-3
+PAD = 1
+OVERRIDES = {"intermediate_size": 200, "moe_intermediate_size": 136}
+
+
+@pytest.fixture(scope="session")
+def engine_binary() -> Path:
+    return build_family("kimi")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi-fp8")
+    built = tiny_model("kimi_k2", root / "tiny", seed=0, **OVERRIDES)
+    fp8_dir = write_fp8_checkpoint(built.path, root / "fp8")
+    return built, fp8_dir, write_dequantized(fp8_dir, root / "dequantized")
+
+
+def resolved(path: Path, **change) -> ResolvedModel:
+    cfg = dict(read_config(path), **change)
+    return ResolvedModel(path, "kimi", cfg["model_type"], cfg)
+
+
+def start(binary: Path, model_dir: Path, cap: int) -> Engine:
+    argv = [str(binary), "--model", str(model_dir), "--ctx", "128", "--slots", "1", "--cap", str(cap),
+            "--threads", "2", *engine_hparams(resolved(model_dir))]
+    return Engine(argv)
+
+
+def load_reference(path: Path):
+    """transformers' DeepSeek-V3 on the kimi_k2 checkpoint (its config read as a DeepseekV3Config)."""
+    data = json.loads((path / "config.json").read_text())
+    data["model_type"] = "deepseek_v3"
+    config = transformers.DeepseekV3Config.from_dict(data)
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+
+
+def reference_run(model, prompt: list[int]):
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[0]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
+    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
+
+
+def pick_prompt(model):
+    for seed in range(8):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
+        logits, tokens, margin = reference_run(model, prompt)
+        if margin >= MIN_MARGIN:
+            return prompt, logits, tokens
+    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
+
+
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(engine_binary, models):
+    _, fp8_dir, deq_dir = models
+    cfg = read_config(fp8_dir)
+    assert cfg["model_type"] == "kimi_k2" and cfg["quantization_config"]["quant_method"] == "fp8"
+    prompt, ref_logits, ref_tokens = pick_prompt(load_reference(deq_dir))
+    for cap in (1, 0):
+        with start(engine_binary, fp8_dir, cap) as engine:
+            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
+            stats = engine.stats()
+        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
+        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
+        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
+        assert stats["reads"] == [2 * m for m in stats["misses"]], "weights' span + scales' span per expert"
+        if cap == 1:
+            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+
+
+def test_info_counts_fp8_like_transformers(models):
+    built, fp8_dir, _ = models
+    result = CliRunner().invoke(app, ["info", "--json", "--model", str(fp8_dir)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["parameters"]["total"] == built.num_parameters, "scales are not parameters"
+    on_disk = sum(f.stat().st_size for f in fp8_dir.glob("*.safetensors"))
+    assert 0 < on_disk - data["bytes"]["total"] < 64 * 1024, "every stored byte is counted"
+    layout = tensor_layout(resolved(fp8_dir))
+    assert all(len(x.tensors) == 6 for x in layout.experts), "an expert's bytes include its scales"
+    assert "model.layers.1.mlp.gate.weight_scale_inv" not in layout.buffers, "the router stays float"
+
+
+def test_other_quantization_configs_are_refused(models):
+    _, fp8_dir, _ = models
+    for qc, field in (({"quant_method": "compressed-tensors"}, "quant_method"),
+                      ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size")):
+        model = resolved(fp8_dir, quantization_config=qc)
+        with pytest.raises(ConfigError, match=f"config.json: quantization_config.{field}"):
+            engine_hparams(model)
