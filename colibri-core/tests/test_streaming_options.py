@@ -48,3 +48,18 @@ def test_every_response_of_a_lossy_server_is_labelled():
     app = Starlette(routes=[Route("/x", lambda request: PlainTextResponse("hi"))])
     client = TestClient(LossyLabel(app, "experts-k=4"))
     assert client.get("/x").headers["x-colibri-lossy"] == "experts-k=4"
+
+
+def test_prefill_chunk_grows_only_when_experts_stream_and_the_scratch_allows():
+    from types import SimpleNamespace
+
+    from colibri.launch import prefill_chunk
+    from colibri.records import Geometry
+
+    def facts(heads):
+        return SimpleNamespace(geometry=Geometry("m", "a", "b", num_heads=heads))
+
+    assert prefill_chunk(facts(16), 4096, partial_cache=False) is None      # all resident: the engine's 32
+    assert prefill_chunk(facts(16), 4096, partial_cache=True) == 128        # 128 x 16 x 4096 x 4 B = 32 MiB
+    assert prefill_chunk(facts(128), 4096, partial_cache=True) is None      # 64 MiB allows 32: no gain, default
+    assert prefill_chunk(facts(64), 4096, partial_cache=True) == 64

@@ -279,6 +279,10 @@ def test_fp4_experts_and_fp8_dense_match_the_dequantized_reference(engine_binary
                                               for w in ("w1", "w3", "w2"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     f32 = transformers.AutoModelForCausalLM.from_pretrained(built.path, dtype=torch.float32).eval()
+    from colibri.inventory import load_facts, take_inventory
+
+    facts = load_facts(resolved(quantized))     # `coli info`: fp4 experts packed in I8 count two values per byte
+    assert take_inventory(facts.geometry, facts.layout, facts.tensors).total_params == reference.num_parameters()
     prompt, ref_logits, ref_tokens = pick_prompt(reference)
     with torch.no_grad():
         lossy = (f32(torch.tensor([prompt])).logits[0] - ref_logits).abs().max().item()

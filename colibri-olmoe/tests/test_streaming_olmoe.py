@@ -2,8 +2,9 @@
 
 The baseline keeps every expert resident, reads buffered, prefetches nothing and batches the prefill. Each
 variant (cache of 1 slot / the RAM plan's choice, I/O pool + router lookahead on, O_DIRECT, learned hot set with
-pinning, one-row-at-a-time MoE) must give the same prompt logits bit for bit and the same tokens, over a prompt
-longer than one prefill chunk and a teacher-forced decode (so decode visits many experts, as a real text does).
+pinning, one-row-at-a-time MoE, the prompt in one pass or one token per pass) must give the same prompt logits
+bit for bit and the same tokens, over a prompt longer than one prefill chunk and a teacher-forced decode (so decode
+visits many experts, as a real text does).
 The stats must say which machinery ran, so a switch that silently did nothing fails here.
 """
 
@@ -71,6 +72,8 @@ VARIANTS = {
     "cap4_pin_prefetch_direct": (4, ("--pin", "on", "--repin-every", "2", "--prefetch", "on", "--io", "direct")),
     "cap3_row_by_row": (3, ("--moe-union", "off")),
     "all_row_by_row_prefetch": (0, ("--moe-union", "off", "--prefetch", "on")),
+    "cap2_whole_prompt_in_one_pass": (2, ("--prefill-chunk", "128", "--prefetch", "on")),
+    "cap3_one_token_per_pass": (3, ("--prefill-chunk", "1",)),
 }
 
 
@@ -126,6 +129,8 @@ def test_plan_chosen_cache_with_streaming_defaults(binary, model_dir, baseline):
     assert "--prefetch" in spec.argv and spec.argv[spec.argv.index("--prefetch") + 1] == "on"
     assert any("pinning keeps 3 of 6 slots" in note for note in spec.plan.notes)
     assert spec.argv[spec.argv.index("--pin") + 1] == "on"
+    # streaming: the whole 40-token prompt in one pass, so each expert is read once for all its rows
+    assert spec.argv[spec.argv.index("--prefill-chunk") + 1] == "128"
     hot = Path(model_dir) / ".colibri-hotset"
     try:
         tokens, logits, stats = run(launch.start(spec), model_dir)

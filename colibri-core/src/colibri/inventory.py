@@ -138,6 +138,11 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
     if layout is not None:
         embedding_names = set(layout.embeddings) | ({layout.lm_head} if layout.lm_head else set())
     buffers = set(layout.buffers) if layout is not None else set()
+    packed = set(layout.packed_fp4) if layout is not None else set()
+
+    def params(t) -> int:   # values, not stored elements: packed FP4 in I8/U8 holds two per byte
+        return t.numel * 2 if t.name in packed and t.dtype in ("I8", "U8") else t.numel
+
     total = skipped_params = routed = buffer_elements = 0
     dense_b = expert_b = embed_b = skipped_b = 0
     dtypes: dict[str, int] = {}
@@ -149,10 +154,10 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
         if t.name in buffers:
             buffer_elements += t.numel
         else:
-            total += t.numel
+            total += params(t)
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + 1
         if t.name in expert_names:
-            routed += 0 if t.name in buffers else t.numel   # an expert's fp8 block scales are bytes, not parameters
+            routed += 0 if t.name in buffers else params(t)   # an expert's block scales are bytes, not parameters
             expert_b += t.nbytes
         elif t.name in embedding_names:
             embed_b += t.nbytes
@@ -164,7 +169,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
     for layer in groups.values():
         if not layer:
             continue
-        layer_params = sum(t.numel for ts in layer.values() for t in ts if t.name not in buffers)
+        layer_params = sum(params(t) for ts in layer.values() for t in ts if t.name not in buffers)
         # top_k experts' worth of this layer, at the layer's mean expert size (experts of a layer are equal in
         # every real family; the mean keeps the arithmetic exact for them and sensible otherwise).
         k = min(geometry.top_k, len(layer)) if geometry.top_k else len(layer)

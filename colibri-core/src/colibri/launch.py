@@ -160,6 +160,25 @@ def staging_slots(facts: ModelFacts, plan: ResourcePlan) -> int:
     return -(-stages // plan.moe_layers)
 
 
+STREAMING_PREFILL_CHUNK = 128           # prompt tokens per pass when experts stream (the engine's default is 32)
+PREFILL_SCORES_BUDGET = 64 << 20        # attention-score scratch the bigger chunk may cost at most
+
+
+def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool) -> int | None:
+    """Prompt tokens per forward pass, or None for the engine's default (32).
+
+    When the expert cache is partial, each prefill pass reads every expert its rows route to once (batch-union), so
+    a 64-token prompt in 32-token passes reads most experts twice; 128 reads them once. Chunking never changes a
+    token. The engine's scratch grows with the chunk (attention scores are chunk x heads x ctx floats), so the chunk
+    shrinks for many heads or a long context, never below the default."""
+    if not partial_cache:
+        return None
+    heads = max(1, facts.geometry.num_heads)
+    fits = PREFILL_SCORES_BUDGET // (heads * max(1, ctx) * 4)
+    chunk = min(STREAMING_PREFILL_CHUNK, fits)
+    return chunk if chunk > 32 else None
+
+
 def default_ctx(facts: ModelFacts) -> int:
     """4096, or less when the model or its engine supports less (as ``coli plan`` chooses)."""
     bounds = [v for v in (facts.geometry.max_context, facts.limits.max_context if facts.limits else 0) if v]
@@ -208,8 +227,10 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     engine_cap = plan.cache_slots_per_layer
     if partial and not cap and (streaming.prefetch is None or streaming.prefetch):   # an explicit --cap is obeyed
         engine_cap = max(1, engine_cap - staging_slots(facts, plan))
+    chunk = prefill_chunk(facts, ctx, partial)
     argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", str(engine_cap), "--threads", str(threads),
+            *(("--prefill-chunk", str(chunk)) if chunk else ()),
             *streaming.engine_args(partial), *env.args)
     return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
 

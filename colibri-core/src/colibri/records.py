@@ -117,6 +117,8 @@ class TensorLayout:
     skipped_prefixes: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()          # stored tensors that are not parameters (e.g. e_score_correction_bias,
                                            # tid2eid): loaded and counted in bytes, never in parameter counts
+    packed_fp4: tuple[str, ...] = ()       # FP4 weights stored as I8/U8, two values per byte (DeepSeek-V4's
+                                           # experts): each stored element is two parameters
 
 
 @dataclass(frozen=True)

@@ -299,11 +299,15 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any], present: frozenset[str
     dense = names(layout.required) + names(layout.embeddings)
     scales = [s for t in dense if (s := _v4_scale_of(t, present))]
     scales += [t for x in experts for t in x.tensors[3:]]
+    # An expert weight with a scale companion under an fp4 expert_dtype is e2m1 packed two per byte.
+    qc = cfg.get("quantization_config") or {}
+    fp4 = (qc.get("expert_dtype") if isinstance(qc, Mapping) else None) or cfg.get("expert_dtype")
+    packed = tuple(t for x in experts for t in x.tensors[:3] if _v4_scale_of(t, present)) if fp4 == "fp4" else ()
     return TensorLayout(
         embeddings=names(layout.embeddings), lm_head=layout.lm_head, norms=names(layout.norms),
         routers=tuple((i, name(n)) for i, n in layout.routers), experts=tuple(experts),
         required=names(layout.required), buffers=names(layout.buffers) + tuple(scales),
-        skipped_prefixes=names(layout.skipped_prefixes))
+        skipped_prefixes=names(layout.skipped_prefixes), packed_fp4=packed)
 
 
 def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:

@@ -19,7 +19,10 @@
 #include "kernels.h"
 #include "sampler.h"
 
-#define PREFILL_CHUNK 32
+/* Prompt tokens per forward pass unless --prefill-chunk says otherwise. Chunking never changes a bit (every block
+ * gives each row what it would get alone); a bigger chunk reads each routed expert once for more rows, which is
+ * what matters when experts stream from disk, at the price of scratch that grows with it. */
+#define DEFAULT_PREFILL_CHUNK 32
 #define MAX_LINE ((size_t)16 << 20)
 #define ERRLEN 512
 
@@ -56,9 +59,9 @@ typedef struct {
     const cb_family *fam;
     void *model;
     cb_model_info info;
-    int ctx, n_slots, cap, threads;
+    int ctx, n_slots, cap, threads, prefill_chunk;
     slot_t *slots;
-    float *logits;             /* PREFILL_CHUNK x vocab */
+    float *logits;             /* prefill_chunk x vocab */
     void *sample_work;
     cb_buf out;
     char *in;
@@ -263,7 +266,7 @@ static int step(engine_t *E, slot_t *s, char *err) {
     int vocab = E->info.vocab;
     if (s->phase == SEQ_PREFILL) {
         int n = s->prompt_len - s->next;
-        if (n > PREFILL_CHUNK) n = PREFILL_CHUNK;
+        if (n > E->prefill_chunk) n = E->prefill_chunk;
         int pos0 = s->n_tokens;
         double t0 = now_s();
         if (forward(E, s, s->prompt + s->next, n, s->want_logits, err)) return -1;
@@ -638,6 +641,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
     E->n_slots = 1;
     E->cap = 0;
     E->threads = 0;
+    E->prefill_chunk = DEFAULT_PREFILL_CHUNK;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
@@ -648,6 +652,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--slots")) rc = parse_int_arg(a, v, 1, 1024, &E->n_slots, err);
         else if (!strcmp(a, "--cap")) rc = parse_int_arg(a, v, 0, 1 << 24, &E->cap, err);
         else if (!strcmp(a, "--threads")) rc = parse_int_arg(a, v, 0, 4096, &E->threads, err);
+        else if (!strcmp(a, "--prefill-chunk")) rc = parse_int_arg(a, v, 1, 4096, &E->prefill_chunk, err);
         else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &cb_stream.prefetch, err);
         else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &cb_stream.pin, err);
         else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &cb_stream.moe_union, err);
@@ -728,7 +733,7 @@ static int alloc_slots(engine_t *E, char *err) {
             goto oom;
         if (!s->kv.k || (!s->kv.v && !E->info.kv_k_only) || !s->tokens) goto oom;
     }
-    E->logits = malloc((size_t)PREFILL_CHUNK * (size_t)E->info.vocab * sizeof(float));
+    E->logits = malloc((size_t)E->prefill_chunk * (size_t)E->info.vocab * sizeof(float));
     E->sample_work = malloc((size_t)E->info.vocab * 2 * sizeof(float));
     if (!E->logits || !E->sample_work) goto oom;
     return 0;
@@ -771,7 +776,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("internal", "cannot start the compute threads");
         goto out;
     }
-    cb_load_args la = {model_dir, E.ctx, E.n_slots, E.cap, E.threads, PREFILL_CHUNK, &hp};
+    cb_load_args la = {model_dir, E.ctx, E.n_slots, E.cap, E.threads, E.prefill_chunk, &hp};
     err[0] = 0;
     if (family->load(&E.model, &la, &E.info, err, sizeof err)) {
         E.model = NULL;
