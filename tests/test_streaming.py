@@ -90,11 +90,17 @@ def test_quarter_cache_streams_and_keeps_the_tokens(big_model, olmoe_facts):
 
     s, f = small["stats"], full["stats"]
     accesses = s["expert_hits"] + s["expert_misses"]
-    assert accesses == f["expert_hits"] + f["expert_misses"], "the router's choices must not depend on the cache"
+    # Decode feeds one token per pass in both runs, so its expert accesses are the router's choices alone. (The
+    # prompt's are not: a run whose experts stream prefills in bigger passes, `launch.prefill_chunk`, and a pass
+    # touches each chosen expert once for all of its rows.)
+    ds, df = s["decode"], f["decode"]
+    assert ds["expert_hits"] + ds["expert_misses"] == df["expert_hits"] + df["expert_misses"], \
+        "the router's choices must not depend on the cache"
     # at least top-k experts per layer for every decoded token, plus the prefill
     assert accesses >= layers * SPEC.top_k * len(small["generated_ids"])
     for stats in (s, f):
-        assert stats["hit_rate"] == pytest.approx(stats["expert_hits"] / accesses, abs=1e-3)
+        n = stats["expert_hits"] + stats["expert_misses"]
+        assert stats["hit_rate"] == pytest.approx(stats["expert_hits"] / n, abs=1e-3)
         # gate/up/down of an expert are adjacent on disk: one pread of exactly one expert per miss
         assert stats["reads"] == stats["expert_misses"]
         assert stats["bytes_read"] == stats["expert_misses"] * SPEC.expert_bytes
