@@ -126,7 +126,7 @@ def convert_slow(session: nox.Session) -> None:
 @nox.session
 def routing_study(session: nox.Session) -> None:
     """colibri-nano's routing on held-out text: per-layer expert popularity, token-to-token reuse, and hit rate vs
-    cache size (LRU and pinned, simulated and measured by the engine); writes its section of docs/benchmarks.md
+    cache size (LRU and the hot set, simulated and measured by the engine); writes its section of docs/benchmarks.md
     and docs/routing-study.png."""
     install_everything(session)
     session.install("matplotlib")

@@ -9,7 +9,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from colibri.errors import UsageError
-from colibri.launch import Streaming, staging_stages
+from colibri.launch import Streaming
+from colibri.planner import STAGING_SLACK_BYTES, staging_stages, streaming_split
+from colibri.records import ResourcePlan
 from colibri.server.app import LossyLabel
 from colibri.streaming import stats_line
 
@@ -17,12 +19,36 @@ from colibri.streaming import stats_line
 def test_auto_switches_follow_the_cache():
     auto = Streaming()
     assert auto.engine_args(partial_cache=True) == ("--prefetch", "on", "--pin", "on", "--io", "auto")
-    assert auto.engine_args(partial_cache=False) == ("--prefetch", "off", "--pin", "off", "--io", "auto")
+    assert auto.engine_args(partial_cache=False) == ("--prefetch", "off", "--pin", "off", "--io", "auto",
+                                                     "--preload", "on")
+    assert Streaming(preload=False).engine_args(partial_cache=False)[-2:] == ("--io", "auto")
+    assert Streaming(lookahead=True, preload=True).engine_args(partial_cache=True)[-4:] == (
+        "--lookahead", "on", "--preload", "on")
     forced = Streaming(prefetch=False, pin=True, io="direct", experts_k=4, experts_top_p=0.9)
     assert forced.engine_args(partial_cache=True) == ("--prefetch", "off", "--pin", "on", "--io", "direct",
                                                       "--experts-k", "4", "--experts-top-p", "0.9")
-    assert Streaming(experts_top_p=1.0).engine_args(False)[-2:] == ("--io", "auto")   # 1.0 keeps every expert
+    assert Streaming(experts_top_p=1.0).engine_args(True)[-2:] == ("--io", "auto")   # 1.0 keeps every expert
     assert staging_stages(8) == 16 and staging_stages(1) == 4
+
+
+def plan_with_spare(slots: int, spare_buffers: float, layers: int = 16, expert: int = 1 << 20) -> ResourcePlan:
+    cache = slots * layers * expert
+    ram = 1000 + cache + int(spare_buffers * (expert + STAGING_SLACK_BYTES))
+    return ResourcePlan(ram_bytes=ram, dense_bytes=1000, kv_bytes=0, state_bytes=0, reserve_bytes=0,
+                        expert_bytes=expert, experts_per_layer=64, moe_layers=layers, cache_slots_per_layer=slots,
+                        cache_bytes=cache, routed_bytes_per_token=0, disk_bandwidth=0.0,
+                        disk_bound_tokens_per_s=0.0, fits=True, min_ram_bytes=0)
+
+
+def test_staging_buffers_come_from_the_slack_before_the_cache():
+    # the rounding to whole slots left 6.5 buffers: 6 stages, the cache keeps its 14 slots
+    assert streaming_split(plan_with_spare(14, 6.5), top_k=8) == (14, 6)
+    # more slack than the pool wants: 2 x top-k
+    assert streaming_split(plan_with_spare(14, 40), top_k=8) == (14, 16)
+    # too little slack for 4: a slot per layer goes, and its 16 buffers are all used
+    assert streaming_split(plan_with_spare(14, 2.5), top_k=8) == (13, 16)
+    # one slot per layer stays, whatever the slack
+    assert streaming_split(plan_with_spare(1, 0), top_k=8) == (1, 4)
 
 
 @pytest.mark.parametrize("bad, flag", [(Streaming(io="mmap"), "--io mmap"), (Streaming(experts_k=0), "--experts-k"),

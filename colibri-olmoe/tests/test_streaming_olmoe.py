@@ -67,10 +67,13 @@ def run(eng: Engine, path: Path) -> tuple[list[int], list[list[float]], dict]:
 
 VARIANTS = {
     "cap1_prefetch_direct": (1, ("--prefetch", "on", "--io", "direct")),
+    "cap2_lookahead_few_stages": (2, ("--prefetch", "on", "--lookahead", "on", "--io-stages", "2")),
     "cap2_prefetch_buffered": (2, ("--prefetch", "on", "--io", "buffered")),
     "cap4_pin": (4, ("--pin", "on", "--repin-every", "4")),
-    "cap4_pin_prefetch_direct": (4, ("--pin", "on", "--repin-every", "2", "--prefetch", "on", "--io", "direct")),
+    "cap4_pin_prefetch_direct": (4, ("--pin", "on", "--repin-every", "2", "--prefetch", "on", "--lookahead", "on",
+                                     "--io", "direct")),
     "cap3_row_by_row": (3, ("--moe-union", "off")),
+    "all_preloaded": (0, ("--preload", "on")),
     "all_row_by_row_prefetch": (0, ("--moe-union", "off", "--prefetch", "on")),
     "cap2_whole_prompt_in_one_pass": (2, ("--prefill-chunk", "128", "--prefetch", "on")),
     "cap3_one_token_per_pass": (3, ("--prefill-chunk", "1",)),
@@ -101,12 +104,18 @@ def test_streaming_switches_never_change_tokens(binary, model_dir, baseline, nam
         if cap:
             assert stats["prefetch_issued"] > 0 and stats["prefetch_used"] > 0
         assert isinstance(stats["lookahead_recall"], float) and 0 <= stats["lookahead_recall"] <= 1
+        lookahead = "--lookahead" in args
+        assert stats["lookahead"] is lookahead
+        if not lookahead:   # only the block's own misses are staged, and each is taken by the block
+            assert stats["prefetch_issued"] == stats["prefetch_used"]
     if "--io" in args:
         assert stats["io"] == args[args.index("--io") + 1]   # ext4/xfs take O_DIRECT; tmpfs would say buffered
     if "--pin" in args:
         assert stats["pin"] is True and stats["pinned_experts"] > 0
         text = hotset.read_text()
         assert text.startswith("colibri-hotset 1 key ") and text.count("layer ") == GEOMETRY["num_layers"]
+    if "--preload" in args:   # every expert read at load: the request itself reads nothing
+        assert stats["preloaded_bytes"] > 0 and stats["expert_misses"] == 0 and stats["bytes_read"] == 0
     if "--moe-union" in args:
         assert stats["moe_union"] is False
     for phase in ("io_wait_s", "expert_s", "attention_s", "other_s"):
@@ -124,10 +133,13 @@ def test_plan_chosen_cache_with_streaming_defaults(binary, model_dir, baseline):
     spec = launch.prepare(resolved(model_dir), ram_gib=ram / launch.GIB, ctx=128, threads=2,
                           streaming=launch.Streaming(io="buffered"))
     assert spec.cap == 6
-    # 8 staging buffers (2 x top-4) over 3 layers cost 3 slots per layer: prefetching stays inside --ram.
-    assert spec.argv[spec.argv.index("--cap") + 1] == "3"
+    # The 1000 spare bytes hold no staging buffer: two slots per layer (3 layers) pay for the minimum of 4 (a
+    # buffer is an expert plus 12 KiB of direct-I/O slack), so prefetching stays inside --ram.
+    assert spec.argv[spec.argv.index("--cap") + 1] == "4"
+    assert spec.argv[spec.argv.index("--io-stages") + 1] == "4"
     assert "--prefetch" in spec.argv and spec.argv[spec.argv.index("--prefetch") + 1] == "on"
-    assert any("pinning keeps 3 of 6 slots" in note for note in spec.plan.notes)
+    assert any("4 prefetch staging buffers (paid by 2 slot(s) per layer) and 4 cache slots per layer, of which "
+               "pinning keeps 2" in note for note in spec.plan.notes)
     assert spec.argv[spec.argv.index("--pin") + 1] == "on"
     # streaming: the whole 40-token prompt in one pass, so each expert is read once for all its rows
     assert spec.argv[spec.argv.index("--prefill-chunk") + 1] == "128"

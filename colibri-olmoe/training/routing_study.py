@@ -6,8 +6,9 @@ Measured on the held-out split of the training corpus (files ``train_nano.py`` n
 * per-layer expert popularity (share of routed slots each expert takes; its spread against the uniform 1/E),
 * token-to-token reuse (the share of token t's top-k experts that token t-1 also chose, per layer),
 * expert-cache hit rate against cache size, simulated on the routing trace in decode order (every token looks up
-  its k experts in its layer's cache): plain LRU, and "pinned" (half the slots hold the experts most popular in
-  the first half of the trace, LRU for the rest; scored on the second half),
+  its k experts in its layer's cache): plain LRU, and the engine's hot set (``--pin``: evict the coldest expert by
+  routing count decayed per access, pin the hottest in half the slots every 8 tokens; seeded with the counts of
+  the first half of the trace; both scored on the second half),
 * the engine's own counters at the same cache sizes (``--pin off`` and ``--pin on``, no prefetch), generating
   greedily from a held-out prompt: prefill runs in chunks, so the engine's numbers include batched lookups.
 
@@ -92,10 +93,60 @@ def lru_hits(tokens: np.ndarray, cap: int, pinned: frozenset = frozenset()) -> t
     return hits, lookups
 
 
+HEAT_DECAY, PIN_MARGIN, REPIN_EVERY = 0.98, 1.25, 8      # experts.c's constants and --repin-every default
+
+
+def hot_set_hits(tokens: np.ndarray, cap: int, learned: np.ndarray) -> tuple[int, int]:
+    """(hits, lookups) of one layer's cache under the engine's hot set (experts.c): heat = routing count decayed
+    by HEAT_DECAY per access, seeded from the ``learned`` shares; a miss evicts the coldest unpinned resident
+    (least recent among equals); every REPIN_EVERY tokens the hottest take half the slots, with hysteresis."""
+    heat = learned / (1 - HEAT_DECAY)
+    last_use = np.zeros(len(heat))
+    resident: set[int] = set()
+    pinned: set[int] = set()
+    budget = cap // 2
+    hits = lookups = tick = 0
+
+    def repin() -> None:
+        while True:
+            outside = [e for e in np.argsort(-heat) if e not in pinned and heat[e] > 0]
+            if not outside:
+                return
+            best = int(outside[0])
+            if len(pinned) < budget:
+                pinned.add(best)
+                continue
+            weak = min(pinned, key=lambda e: heat[e]) if pinned else None
+            if weak is None or heat[best] <= PIN_MARGIN * heat[weak]:
+                return
+            pinned.discard(weak)
+            pinned.add(best)
+
+    repin()
+    for t, chosen in enumerate(tokens):
+        for e in chosen:
+            e = int(e)
+            heat *= HEAT_DECAY
+            heat[e] += 1
+            lookups += 1
+            tick += 1
+            if e in resident:
+                hits += 1
+            else:
+                if len(resident) >= cap:
+                    victim = min((x for x in resident if x not in pinned), key=lambda x: (heat[x], last_use[x]))
+                    resident.discard(victim)
+                resident.add(e)
+            last_use[e] = tick
+        if (t + 1) % REPIN_EVERY == 0:
+            repin()
+    return hits, lookups
+
+
 def simulate(trace: np.ndarray, experts: int, caps: list[int]) -> dict[str, dict[int, float]]:
     half = trace.shape[1] // 2
     learned = popularity(trace[:, :half], experts)
-    out: dict[str, dict[int, float]] = {"lru": {}, "pinned": {}}
+    out: dict[str, dict[int, float]] = {"lru": {}, "hot set": {}}
     for cap in caps:
         h = n = 0
         for layer in trace[:, half:]:
@@ -104,10 +155,9 @@ def simulate(trace: np.ndarray, experts: int, caps: list[int]) -> dict[str, dict
         out["lru"][cap] = h / n
         h = n = 0
         for li, layer in enumerate(trace[:, half:]):
-            pins = frozenset(np.argsort(-learned[li])[: cap // 2].tolist())
-            a, b = lru_hits(layer, cap - len(pins), pins)
+            a, b = hot_set_hits(layer, cap, learned[li])
             h, n = h + a, n + b
-        out["pinned"][cap] = h / n
+        out["hot set"][cap] = h / n
     return out
 
 
@@ -120,7 +170,7 @@ def engine_hit_rates(model_dir: Path, prompt: list[int], caps: list[int], tokens
 
     resolved = ResolvedModel(model_dir, "olmoe", "olmoe", read_config(model_dir))
     binary = build_family("olmoe")
-    out: dict[str, dict[int, float]] = {"engine lru": {}, "engine pin": {}}
+    out: dict[str, dict[int, float]] = {"engine lru": {}, "engine hot set": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for pin in ("off", "on"):
             for cap in caps:
@@ -131,7 +181,7 @@ def engine_hit_rates(model_dir: Path, prompt: list[int], caps: list[int], tokens
                     engine.generate(prompt, max_tokens=tokens)
                     stats = engine.stats()
                 hits, misses = sum(stats["hits"]), sum(stats["misses"])
-                out[f"engine {'pin' if pin == 'on' else 'lru'}"][cap] = hits / (hits + misses)
+                out[f"engine {'hot set' if pin == 'on' else 'lru'}"][cap] = hits / (hits + misses)
     return out
 
 
@@ -147,7 +197,7 @@ def plot(pop: np.ndarray, curves: dict[str, dict[int, float]], path: Path) -> No
     a.set_ylabel("layer")
     a.set_title("expert popularity (x uniform share)")
     fig.colorbar(image, ax=a)
-    styles = {"lru": "o-", "pinned": "s-", "engine lru": "x--", "engine pin": "+--"}
+    styles = {"lru": "o-", "hot set": "s-", "engine lru": "x--", "engine hot set": "+--"}
     for name, curve in curves.items():
         caps = sorted(curve)
         b.plot(caps, [100 * curve[c] for c in caps], styles.get(name, "o-"), label=name)
@@ -169,8 +219,8 @@ def markdown(meta: dict, pop: np.ndarray, reuse_by_layer: np.ndarray, curves: di
     lines = [BEGIN, "## Routing study: colibri-nano on held-out text", "",
              f"`nox -s routing_study` ({meta['tokens']} held-out tokens of the Python standard library that "
              f"colibri-nano never trained on; {meta['layers']} MoE layers x {experts} experts, top-{meta['k']}). "
-             "Simulated rates replay transformers' routing token by token (pinned: half the slots hold the "
-             "experts most popular in the first half of the trace; both scored on the second half); engine "
+             "Simulated rates replay transformers' routing token by token (hot set: the engine's `--pin` policy, "
+             "seeded with the first half's counts; both scored on the second half); engine "
              f"rates are `hits / (hits + misses)` of the C engine generating {meta['engine_tokens']} greedy tokens "
              f"from a {meta['prompt_tokens']}-token held-out prompt, no prefetch.", "",
              "| layer | top expert share | top-4 share | uniform share | normalised entropy | reuse t-1 -> t |",

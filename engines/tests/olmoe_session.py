@@ -116,6 +116,22 @@ def main() -> int:
         s.send({"op": "shutdown"})
         rc = s.proc.wait(timeout=300)
         check(rc == 0, f"exit code {rc}")
+
+        # Every expert read at load on the I/O threads, then the hot set with lookahead prefetch: same tokens.
+        for extra in (["--cap", "0", "--preload", "on"],
+                      ["--cap", "2", "--pin", "on", "--repin-every", "1", "--prefetch", "on", "--lookahead", "on",
+                       "--io-stages", "2", "--hotset", os.path.join(tmp, "hotset")]):
+            s = Session([binary, "--model", model_dir, "--ctx", "64", "--threads", "2", *extra,
+                         *engine_hparams(model)])
+            ready = s.event()
+            check(ready["ev"] == "ready" and (ready["preloaded_bytes"] > 0) == ("--preload" in extra),
+                  f"ready with {extra}: {ready}")
+            s.send({"op": "submit", "id": 1, "prompt": prompt, "max_tokens": 8})
+            got = [e["tok"] for e in s.until("done", 1) if e["ev"] == "token"]
+            check(got == tokens1, f"tokens with {extra}: {got} != {tokens1}")
+            s.send({"op": "shutdown"})
+            rc = s.proc.wait(timeout=300)
+            check(rc == 0, f"exit code {rc} with {extra}")
     print(f"olmoe_session: {passed} passed, {failed} failed")
     return 1 if failed else 0
 

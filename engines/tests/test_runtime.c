@@ -326,6 +326,19 @@ static void test_experts(void) {
         CHECK(!memcmp(&plain, &L.count, sizeof plain), "counters with prefetch: %llu/%llu %llu/%llu %llu/%llu %llu/%llu", (unsigned long long)plain.hits, (unsigned long long)L.count.hits, (unsigned long long)plain.misses, (unsigned long long)L.count.misses, (unsigned long long)plain.reads, (unsigned long long)L.count.reads, (unsigned long long)plain.bytes_read, (unsigned long long)L.count.bytes_read);
         cb_experts_prefetch(&L, 1);      /* left unconsumed: free must wait for it */
         cb_experts_free(&L);
+        /* The hot set evicts the coldest expert, not the least recent: after 0, 0, 0, 1 the cap-2 cache keeps the
+         * thrice-routed 0 when 2 arrives, where LRU drops it (and misses it again next). */
+        for (int hot = 0; hot < 2; hot++) {
+            cb_stream.pin = hot;
+            CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+            int seq[] = {0, 0, 0, 1, 2, 0};
+            for (int k = 0; k < 6; k++) CHECK(cb_experts_get(&L, seq[k], &v, err, sizeof err) == 0, "%s", err);
+            CHECK(L.count.hits == (hot ? 3u : 2u), "%s: %llu hits", hot ? "hot set" : "LRU",
+                  (unsigned long long)L.count.hits);
+            CHECK(L.slot_of[0] >= 0 && L.slot_of[2] >= 0 && (hot || L.slot_of[1] < 0), "residents");
+            cb_experts_free(&L);
+        }
+        cb_stream.pin = 0;
         /* cap 0 keeps every expert once read. */
         CHECK(cb_experts_init(&L, &idx, 0, NEXP, 0, HID, INTER, names, err, sizeof err) == 0, "%s", err);
         for (int k = 0; k < 8; k++) cb_experts_get(&L, order[k], &v, err, sizeof err);

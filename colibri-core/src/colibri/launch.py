@@ -13,6 +13,7 @@ from typing import Mapping
 from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, family_answer, load_facts
+from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 
 GIB = 1024 ** 3
@@ -27,10 +28,13 @@ class Streaming:
     """How experts are streamed: the machinery switches (speed only, never tokens) and the opt-in lossy knobs.
 
     ``None`` for prefetch/pin means auto: on when the cache cannot hold every expert (the model does not fit),
-    off otherwise (with everything resident there is nothing to read ahead or protect)."""
+    off otherwise (with everything resident there is nothing to read ahead or protect); ``None`` for preload is
+    the reverse (a cache that holds every expert is filled at start)."""
 
     prefetch: bool | None = None
     pin: bool | None = None
+    lookahead: bool = False
+    preload: bool | None = None
     io: str = "auto"
     experts_k: int | None = None
     experts_top_p: float | None = None
@@ -59,6 +63,10 @@ class Streaming:
             return "on" if (partial_cache if value is None else value) else "off"
 
         args = ["--prefetch", switch(self.prefetch), "--pin", switch(self.pin), "--io", self.io]
+        if self.lookahead:
+            args += ["--lookahead", "on"]
+        if (not partial_cache) if self.preload is None else self.preload:   # auto: when every expert fits
+            args += ["--preload", "on"]
         if not self.moe_union:
             args += ["--moe-union", "off"]
         if self.experts_k:
@@ -146,20 +154,6 @@ def check_container(facts: ModelFacts) -> None:
                           "(coli families)")
 
 
-def staging_stages(top_k: int) -> int:
-    """Staging buffers of the engine's I/O pool (experts.c pool_size): two per routed expert of a token, one
-    for the layer's own misses and one for the next layer's predictions."""
-    return min(64, max(4, 2 * max(1, top_k)))
-
-
-def staging_slots(facts: ModelFacts, plan: ResourcePlan) -> int:
-    """Cache slots per layer that pay for the I/O pool's staging buffers, so prefetching stays in the budget."""
-    if plan.moe_layers < 1:
-        return 0
-    stages = staging_stages(facts.geometry.top_k or 1)
-    return -(-stages // plan.moe_layers)
-
-
 STREAMING_PREFILL_CHUNK = 128           # prompt tokens per pass when experts stream (the engine's default is 32)
 PREFILL_SCORES_BUDGET = 64 << 20        # attention-score scratch the bigger chunk may cost at most
 
@@ -224,13 +218,15 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
 
         print_warning(f"lossy routing ({streaming.lossy_label()}): tokens will differ from the model's own routing")
     partial = 0 < plan.cache_slots_per_layer < plan.experts_per_layer
-    engine_cap = plan.cache_slots_per_layer
+    engine_cap, stages = plan.cache_slots_per_layer, None
     if partial and not cap and (streaming.prefetch is None or streaming.prefetch):   # an explicit --cap is obeyed
-        engine_cap = max(1, engine_cap - staging_slots(facts, plan))
+        # prefetching stays inside --ram: its staging buffers come out of the cache's budget
+        engine_cap, stages = streaming_split(plan, facts.geometry.top_k or 1)
     chunk = prefill_chunk(facts, ctx, partial)
     argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", str(engine_cap), "--threads", str(threads),
             *(("--prefill-chunk", str(chunk)) if chunk else ()),
+            *(("--io-stages", str(stages)) if stages else ()),
             *streaming.engine_args(partial), *env.args)
     return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
 

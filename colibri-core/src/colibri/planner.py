@@ -15,6 +15,7 @@ A plan that cannot give every MoE layer even one slot does not fit; it still car
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .inventory import take_inventory
@@ -29,6 +30,36 @@ SCRATCH_ACTIVATIONS = 4
 stream, its normalised copy, the attention output and the MLP output)."""
 
 SCRATCH_DTYPE_BYTES = 4
+
+STAGING_SLACK_BYTES = 3 * 4096
+"""A staging buffer holds the largest expert plus room to align a direct read on both ends (experts.c)."""
+
+MIN_STAGES = 4
+"""Staging buffers worth having: both I/O threads reading, and the next two reads queued behind them."""
+
+
+def staging_stages(top_k: int) -> int:
+    """The staging buffers the engine's I/O pool wants (experts.c pool_size): two per routed expert of a token, one
+    for the layer's own misses and one for the next layer's predictions."""
+    return min(64, max(MIN_STAGES, 2 * max(1, top_k)))
+
+
+def streaming_split(plan: ResourcePlan, top_k: int) -> tuple[int, int]:
+    """(cache slots per layer, staging buffers) when prefetching, inside the RAM ``plan`` gave the cache.
+
+    The buffers come first out of what rounding the cache down to whole slots per layer left over: up to
+    ``staging_stages(top_k)`` of them, and at least ``MIN_STAGES``. Only when the leftover holds fewer than that
+    does the cache give up a slot per layer, which frees a buffer per MoE layer. The plan's last slot per layer always
+    stays; the ``MIN_STAGES`` buffers then come on top of it, as the plan's reserve allows for."""
+    wanted = staging_stages(top_k)
+    buffer = plan.expert_bytes + STAGING_SLACK_BYTES
+    spare = plan.ram_bytes - (plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.reserve_bytes
+                              + plan.cache_bytes)
+    slots = plan.cache_slots_per_layer
+    while slots > 1 and spare // buffer < MIN_STAGES:
+        slots -= 1
+        spare += plan.moe_layers * plan.expert_bytes
+    return slots, int(max(MIN_STAGES, min(wanted, max(0, spare) // buffer)))
 
 
 def scratch_bytes(geometry: Geometry, ctx: int) -> int:
@@ -77,10 +108,6 @@ def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout:
         notes.append("no routed experts: the whole model is resident")
 
     cache = slots * slot_row
-    if 0 < slots < experts_per_layer:
-        notes.append(f"the cache is partial, so coli run/chat/serve stream by default: pinning keeps {slots // 2} "
-                     f"of {slots} slots per layer ({100 * (slots // 2) / slots:.0f}%) for the learned hot set, and "
-                     "the prefetch I/O pool's staging buffers take a slot per layer (--no-pin / --no-prefetch)")
     top_k = min(geometry.top_k, experts_per_layer) if geometry.top_k else experts_per_layer
     routed_per_token = top_k * expert_bytes * moe_layers
     bandwidth = float(request.disk_bandwidth)
@@ -88,10 +115,23 @@ def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout:
     if inv.skipped_bytes:
         notes.append(f"{inv.skipped_bytes} bytes of tensors under {', '.join(layout.skipped_prefixes)} "
                      "are never loaded")
-    return ResourcePlan(
+    result = ResourcePlan(
         ram_bytes=request.ram_bytes, dense_bytes=dense, kv_bytes=kv, state_bytes=state, reserve_bytes=reserve,
         expert_bytes=expert_bytes, experts_per_layer=experts_per_layer, moe_layers=moe_layers,
         cache_slots_per_layer=slots, cache_bytes=cache, routed_bytes_per_token=routed_per_token,
         disk_bandwidth=bandwidth, disk_bound_tokens_per_s=tok_s, fits=fits, min_ram_bytes=min_ram,
         notes=tuple(notes),
     )
+    if 0 < slots < experts_per_layer and not request.cap:
+        result = replace(result, notes=(*result.notes, streaming_note(result, top_k)))
+    return result
+
+
+def streaming_note(plan: ResourcePlan, top_k: int) -> str:
+    """What ``coli run`` does with a partial cache: the staging buffers and the pinned share."""
+    slots, stages = streaming_split(plan, top_k)
+    paid = ("the slack left after whole slots" if slots == plan.cache_slots_per_layer
+            else f"{plan.cache_slots_per_layer - slots} slot(s) per layer")
+    return (f"the cache is partial, so coli run/chat/serve stream by default: {stages} prefetch staging buffers "
+            f"(paid by {paid}) and {slots} cache slots per layer, of which pinning keeps {slots // 2} "
+            f"({100 * (slots // 2) / slots:.0f}%) for the hottest experts (--no-prefetch / --no-pin)")

@@ -78,7 +78,8 @@ def streaming_parts(stats: dict[str, Any]) -> list[str]:
     """The streaming switches in effect, where the time went, and any lossy routing (always shown)."""
     parts = []
     if "io" in stats:
-        switches = [f"io {stats['io']}", "prefetch " + ("on" if stats.get("prefetch") else "off"),
+        switches = [f"io {stats['io']}", "prefetch " + ("on" if stats.get("prefetch") else "off")
+                    + (" + lookahead" if stats.get("lookahead") else ""),
                     "pin " + (f"on ({stats.get('pinned_experts', 0)} pinned)" if stats.get("pin") else "off")]
         if stats.get("prefetch_issued"):
             switches.append(f"prefetched {stats.get('prefetch_used', 0)}/{stats['prefetch_issued']} used")

@@ -12,7 +12,8 @@ from ..errors import ColibriError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, PinOption, PrefetchOption, streaming_options)
+                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
+                      streaming_options)
 
 DEFAULT_MAX_TOKENS = 1024
 HELP_TEXT = ('commands: /reset (new conversation), /stats (token reuse and speed), /exit; '
@@ -72,6 +73,8 @@ def chat_command(
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
     prefetch: Optional[bool] = PrefetchOption,
+    lookahead: bool = LookaheadOption,
+    preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
@@ -97,7 +100,8 @@ def chat_command(
     template_kwargs = thinking_kwargs(tok, think)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
-                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
+                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
+                                                      preload))
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
 

@@ -18,12 +18,23 @@ JsonOption = typer.Option(False, "--json", help="Print machine-readable JSON ins
 # Expert streaming (colibri/launch.py Streaming): the switches change speed only, never a token.
 PrefetchOption = typer.Option(
     None, "--prefetch/--no-prefetch",
-    help="Read missing experts on I/O threads while resident ones compute, plus router lookahead "
+    help="Read missing experts on I/O threads while resident ones compute "
          "(default: on when the expert cache cannot hold every expert).",
+)
+LookaheadOption = typer.Option(
+    False, "--lookahead/--no-lookahead",
+    help="With --prefetch, also read the next layer's experts ahead, as predicted by its router on this layer's "
+         "input (default: off: a wrong guess costs a whole read on a disk that is usually the bottleneck).",
+)
+PreloadOption = typer.Option(
+    None, "--preload/--no-preload",
+    help="Read every expert at start when the cache holds them all, so the first requests run from RAM "
+         "(default: on when the expert cache can hold every expert).",
 )
 PinOption = typer.Option(
     None, "--pin/--no-pin",
-    help="Pin the most-routed experts (learned hot set, saved next to the model) in half the cache "
+    help="Learned hot set: evict the coldest expert (routing count decayed over the last few tokens, seeded from "
+         "counts saved next to the model) instead of the least recent, and pin the hottest in half the cache "
          "(default: on when the expert cache cannot hold every expert).",
 )
 IoOption = typer.Option(
@@ -40,8 +51,9 @@ ExpertsTopPOption = typer.Option(
 )
 
 
-def streaming_options(prefetch, pin, io, experts_k, experts_top_p):
+def streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead=False, preload=None):
     """The Streaming record of the shared flags above."""
     from ..launch import Streaming
 
-    return Streaming(prefetch=prefetch, pin=pin, io=io, experts_k=experts_k, experts_top_p=experts_top_p)
+    return Streaming(prefetch=prefetch, pin=pin, io=io, experts_k=experts_k, experts_top_p=experts_top_p,
+                     lookahead=lookahead, preload=preload)

@@ -13,7 +13,8 @@ from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, PinOption, PrefetchOption, streaming_options)
+                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
+                      streaming_options)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -39,6 +40,8 @@ def run_command(
                                         help="RAM budget in GiB (default: what the machine has available)."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
     prefetch: Optional[bool] = PrefetchOption,
+    lookahead: bool = LookaheadOption,
+    preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
@@ -75,7 +78,8 @@ def run_command(
         print_warning(built.notice)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
-                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
+                          streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
+                                                      preload))
     asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx)
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context

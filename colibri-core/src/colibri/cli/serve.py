@@ -26,7 +26,8 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, PinOption, PrefetchOption, streaming_options)
+                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
+                      streaming_options)
 
 _SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2}
 
@@ -99,6 +100,8 @@ def serve_command(
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
                                       "default: from the RAM plan)."),
     prefetch: Optional[bool] = PrefetchOption,
+    lookahead: bool = LookaheadOption,
+    preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
@@ -139,7 +142,7 @@ def serve_command(
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
-                   streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p))
+                   streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)
 
     import uvicorn

@@ -465,7 +465,9 @@ static void trim_choices(cb_moe *m, int n) {
     }
 }
 
-/* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. */
+/* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. The guesses are
+ * always scored (lookahead_recall); they are read ahead only with cb_stream.lookahead, because a wrong guess costs a
+ * whole expert read on a disk that is usually the bottleneck already (docs/benchmarks.md). */
 static void predict_next(cb_moe *m, const float *x) {
     int next_layer = m->store.layer + 1;
     cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
@@ -481,7 +483,7 @@ static void predict_next(cb_moe *m, const float *x) {
             if (!S->predicted[e] && (best < 0 || m->next_logits[e] > m->next_logits[best])) best = e;
         S->predicted[best] = 1;
         cb_prof.lookahead_predicted++;
-        cb_experts_predict(S, best);
+        if (cb_stream.lookahead) cb_experts_predict(S, best);
     }
     S->has_prediction = 1;
 }
@@ -549,6 +551,13 @@ static int gather_rows(cb_moe *m, int e, int r0, int r1) {
     return rows;
 }
 
+/* Queue the reads of this call's missing experts from index `from` on, in the order the block will take them,
+ * until the pool has no free buffer (those left are queued by a later call, or read when their turn comes). */
+static void stage_misses(cb_moe *m, int from) {
+    for (int e = from; e < m->n_experts; e++)
+        if (m->n_rows[e] && m->store.slot_of[e] < 0 && !cb_experts_prefetch(&m->store, e)) return;
+}
+
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
     int E = m->n_experts, K = m->top_k, H = m->hidden;
     trim_choices(m, n);
@@ -570,12 +579,14 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
     } else {
         /* The misses go to the I/O pool first (it reads them in file order), the next layer's predictions
          * after them; resident experts compute while they load, the misses follow in ascending index. */
-        for (int e = 0; e < E; e++)
-            if (m->n_rows[e] && m->store.slot_of[e] < 0) cb_experts_prefetch(&m->store, e);
+        stage_misses(m, 0);
         if (n == 1) predict_next(m, x);
         for (int pass = 0; pass < 2; pass++)
             for (int e = 0; e < E; e++) {
                 if (!m->n_rows[e] || (m->store.slot_of[e] >= 0) != (pass == 0)) continue;
+                /* A prefill chunk can miss more experts than the pool has buffers: each one taken frees a
+                 * buffer, which the next misses fill, so the reads stay ahead of the compute. */
+                if (pass == 1) stage_misses(m, e + 1);
                 int rows = gather_rows(m, e, 0, n);
                 if (run_expert(m, e, x, rows, err, errlen)) {
                     cb_experts_prefetch_cancel(&m->store);

@@ -159,8 +159,10 @@ static void add_profile(cb_profile *acc, const cb_profile *after, const cb_profi
 
 /* The streaming switches and lossy knobs in effect, as JSON fields (ready, done and stats carry them). */
 static void put_streaming(cb_buf *b) {
-    cb_buf_printf(b, ",\"prefetch\":%s,\"pin\":%s,\"io\":\"%s\",\"moe_union\":%s,\"pinned_experts\":%d",
-                  cb_stream.prefetch ? "true" : "false", cb_stream.pin ? "true" : "false", cb_experts_io_name(),
+    cb_buf_printf(b, ",\"prefetch\":%s,\"lookahead\":%s,\"pin\":%s,\"io\":\"%s\",\"moe_union\":%s,"
+                  "\"pinned_experts\":%d", cb_stream.prefetch ? "true" : "false",
+                  cb_stream.prefetch && cb_stream.lookahead ? "true" : "false", cb_stream.pin ? "true" : "false",
+                  cb_experts_io_name(),
                   cb_stream.moe_union ? "true" : "false", cb_experts_pinned_total());
     if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0) {
         cb_buf_puts(b, ",\"lossy\":\"");
@@ -655,8 +657,11 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--prefill-chunk")) rc = parse_int_arg(a, v, 1, 4096, &E->prefill_chunk, err);
         else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &cb_stream.prefetch, err);
         else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &cb_stream.pin, err);
+        else if (!strcmp(a, "--lookahead")) rc = parse_switch(a, v, &cb_stream.lookahead, err);
+        else if (!strcmp(a, "--preload")) rc = parse_switch(a, v, &cb_stream.preload, err);
         else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &cb_stream.moe_union, err);
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &cb_stream.repin_every, err);
+        else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &cb_stream.io_stages, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &cb_stream.experts_k, err);
         else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
@@ -692,7 +697,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
-                                  "--pin, --io, --moe-union, --repin-every, --hotset, --experts-k, --experts-top-p)", a);
+                                  "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
+                                  "--hotset, --experts-k, --experts-top-p)", a);
             return -1;
         }
         if (rc) return -1;
@@ -798,6 +804,11 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         goto out_threads;
     }
     cb_experts_after_tokens(0);   /* loads the hot-set sidecar when pinning */
+    uint64_t preloaded = 0;
+    if (cb_stream.preload && cb_experts_preload(&preloaded, err, ERRLEN)) {
+        emit_fatal("load", err);
+        goto out_threads;
+    }
     if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0)
         fprintf(stderr, "warning: lossy expert routing (--experts-k / --experts-top-p): tokens will differ from "
                         "the model's own routing\n");
@@ -810,7 +821,8 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                           "\"dense_bytes\":%zu,\"kv_bytes\":%zu,\"state_bytes\":%zu,\"expert_cache_bytes\":%zu",
                   E.info.vocab, E.ctx, E.n_slots, E.cap, cb_threads_count(), cb_isa_name(cb_get_isa()),
                   E.info.dense_bytes, kv_bytes, (size_t)E.n_slots * 2 * E.info.state_bytes, E.info.expert_cache_bytes);
-    cb_buf_printf(&E.out, ",\"staging_bytes\":%zu,\"hotset\":", cb_experts_staging_bytes());
+    cb_buf_printf(&E.out, ",\"preloaded_bytes\":%llu,\"staging_bytes\":%zu,\"hotset\":",
+                  (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
     cb_buf_puts(&E.out, "}");

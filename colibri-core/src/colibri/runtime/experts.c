@@ -17,7 +17,11 @@
 #define IO_THREADS 2           /* two reads in flight keep a virtio/NVMe queue busy; more only add contention */
 #define MAX_STAGES 64
 
-cb_stream_opts cb_stream = {.moe_union = 1, .repin_every = 64};
+#define HEAT_DECAY 0.98           /* per access of the layer; see experts.h (measured best of 0.97-0.985) */
+#define HEAT_RESCALE 1e100        /* heat_unit beyond this: divide every heat and the unit by it */
+#define PIN_MARGIN 1.25           /* an outsider replaces the coldest pinned expert only when this much hotter */
+
+cb_stream_opts cb_stream = {.moe_union = 1, .repin_every = 8};
 cb_profile cb_prof;
 
 double cb_now_s(void) {
@@ -339,16 +343,18 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->buf = calloc((size_t)L->cap, sizeof(void *));
     L->data_off = calloc((size_t)L->cap, sizeof(size_t));
     L->route_count = calloc((size_t)n_experts, sizeof(uint32_t));
+    L->heat = calloc((size_t)n_experts, sizeof(double));
+    L->heat_unit = 1.0;
     L->pinned = calloc((size_t)n_experts, 1);
     L->predicted = calloc((size_t)n_experts, 1);
     if (!L->loc || !L->slot_of || !L->expert_in || !L->last_use || !L->buf || !L->data_off || !L->route_count ||
-        !L->pinned || !L->predicted) {
+        !L->heat || !L->pinned || !L->predicted) {
         snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
         cb_experts_free(L);
         return -1;
     }
-    /* Pinning keeps half the cache for the learned hot set and leaves the rest to LRU; a cache that holds
-     * every expert has nothing to protect. */
+    /* Pinning keeps half the cache for the hottest experts; a cache that holds every expert has nothing to
+     * protect. */
     L->pin_budget = cb_stream.pin && L->cap < n_experts ? L->cap / 2 : 0;
     for (int e = 0; e < n_experts; e++) L->slot_of[e] = -1;
     for (int s = 0; s < L->cap; s++) L->expert_in[s] = -1;
@@ -421,6 +427,7 @@ void cb_experts_free(cb_expert_layer *L) {
     free(L->last_use);
     free(L->data_off);
     free(L->route_count);
+    free(L->heat);
     free(L->pinned);
     free(L->predicted);
     memset(L, 0, sizeof *L);
@@ -451,8 +458,10 @@ static struct {
     uint64_t seq;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
-/* Two stages per routed expert of a token: the block's own misses plus the next layer's predictions. */
+/* As many stages as the RAM plan left room for (--io-stages), else two per routed expert of a token: the block's
+ * own misses plus the next layer's predictions. */
 static int pool_size(void) {
+    if (cb_stream.io_stages > 0) return cb_stream.io_stages < MAX_STAGES ? cb_stream.io_stages : MAX_STAGES;
     int n = 2 * top_k_hint;
     return n < 4 ? 4 : n > MAX_STAGES ? MAX_STAGES : n;
 }
@@ -526,14 +535,18 @@ static stage_t *take_stage(const cb_expert_layer *L, int urgent) {
     return victim;
 }
 
-static void stage(cb_expert_layer *L, int e, int urgent) {
-    if (!prefetch_on() || e < 0 || e >= L->n_experts || L->slot_of[e] >= 0) return;
+/* 1 when e is resident, queued or reading now, 0 when prefetching is off or no buffer is free. A guess the pool
+ * has no room for counts as dropped; an urgent read without a buffer is not dropped, only deferred: the block
+ * reads it itself unless a buffer frees up first (blocks.c queues its misses again as it consumes them). */
+static int stage(cb_expert_layer *L, int e, int urgent) {
+    if (!prefetch_on() || e < 0 || e >= L->n_experts) return 0;
+    if (L->slot_of[e] >= 0) return 1;
     pthread_mutex_lock(&pool.mu);
     stage_t *s = find_stage(L, e);
     if (s) {
         s->urgent |= urgent;   /* a prediction the block now needs jumps the queue */
         pthread_mutex_unlock(&pool.mu);
-        return;
+        return 1;
     }
     if (!pool.started) {
         pool.n = pool_size();
@@ -545,19 +558,15 @@ static void stage(cb_expert_layer *L, int e, int urgent) {
             pool.quit = 1;
             pthread_cond_broadcast(&pool.work);
             pthread_mutex_unlock(&pool.mu);
-            return;
+            return 0;
         }
         pool.started = 1;
     }
-    if (!(s = take_stage(L, urgent))) {
-        cb_prof.prefetch_dropped++;
+    if (!(s = take_stage(L, urgent)) || (!s->buf && !(s->buf = alloc_buf()))) {
+        if (s) s->state = ST_FREE;
+        if (!urgent) cb_prof.prefetch_dropped++;
         pthread_mutex_unlock(&pool.mu);
-        return;
-    }
-    if (!s->buf && !(s->buf = alloc_buf())) {
-        cb_prof.prefetch_dropped++;
-        pthread_mutex_unlock(&pool.mu);
-        return;
+        return 0;
     }
     s->layer = L;
     s->expert = e;
@@ -568,10 +577,11 @@ static void stage(cb_expert_layer *L, int e, int urgent) {
     cb_prof.prefetch_issued++;
     pthread_cond_signal(&pool.work);
     pthread_mutex_unlock(&pool.mu);
+    return 1;
 }
 
-void cb_experts_prefetch(cb_expert_layer *L, int e) { stage(L, e, 1); }
-void cb_experts_predict(cb_expert_layer *L, int e) { stage(L, e, 0); }
+int cb_experts_prefetch(cb_expert_layer *L, int e) { return stage(L, e, 1); }
+void cb_experts_predict(cb_expert_layer *L, int e) { (void)stage(L, e, 0); }
 
 void cb_experts_prefetch_cancel(cb_expert_layer *L) {
     pthread_mutex_lock(&pool.mu);
@@ -630,25 +640,61 @@ static int take_staged(cb_expert_layer *L, int e, int s, char *err, size_t errle
     return rc ? -1 : 1;
 }
 
+/* COLIBRI_EXPERT_TRACE=<file>: one "layer expert" line per access, for studying cache policies offline. */
+static void trace_access(const cb_expert_layer *L, int e) {
+    static FILE *trace;
+    static int opened;
+    if (!opened) {
+        opened = 1;
+        const char *path = getenv("COLIBRI_EXPERT_TRACE");
+        if (path && *path && !(trace = fopen(path, "w"))) fprintf(stderr, "notice: cannot write %s\n", path);
+    }
+    if (trace) fprintf(trace, "%d %d\n", L->layer, e);
+}
+
+/* One more access of e: its heat grows by the current unit, and the unit grows so that every earlier access
+ * weighs HEAT_DECAY times less than this one. */
+static void warm_up(cb_expert_layer *L, int e) {
+    L->heat[e] += L->heat_unit;
+    L->heat_unit /= HEAT_DECAY;
+    if (L->heat_unit > HEAT_RESCALE) {
+        for (int x = 0; x < L->n_experts; x++) L->heat[x] /= HEAT_RESCALE;
+        L->heat_unit /= HEAT_RESCALE;
+    }
+}
+
+/* Where a missing expert goes: an empty slot, else the coldest unpinned resident with the hot set, the least
+ * recently used unpinned one without it (and among equally hot ones). Pinning never takes every slot. */
+static int victim_slot(const cb_expert_layer *L) {
+    int s = -1;
+    for (int i = 0; i < L->cap; i++) {
+        int x = L->expert_in[i];
+        if (x < 0) return i;
+        if (L->pinned[x]) continue;
+        if (s < 0) { s = i; continue; }
+        if (cb_stream.pin) {
+            double hx = L->heat[x], hs = L->heat[L->expert_in[s]];
+            if (hx != hs) { if (hx < hs) s = i; continue; }
+        }
+        if (L->last_use[i] < L->last_use[s]) s = i;
+    }
+    return s < 0 ? 0 : s;
+}
+
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
     if (e < 0 || e >= L->n_experts) {
         snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
         return -1;
     }
     L->route_count[e]++;
+    trace_access(L, e);
+    if (cb_stream.pin) warm_up(L, e);
     int s = L->slot_of[e];
     if (s >= 0) {
         L->count.hits++;
     } else {
         L->count.misses++;
-        /* An empty slot first, else the least recently used unpinned one (pinning never takes every slot). */
-        s = -1;
-        for (int i = 0; i < L->cap; i++) {
-            if (L->expert_in[i] < 0) { s = i; break; }
-            if (L->pinned[L->expert_in[i]]) continue;
-            if (s < 0 || L->last_use[i] < L->last_use[s]) s = i;
-        }
-        if (s < 0) s = 0;
+        s = victim_slot(L);
         if (L->expert_in[s] >= 0) L->slot_of[L->expert_in[s]] = -1;
         L->expert_in[s] = -1;
         double t0 = cb_now_s();
@@ -701,17 +747,18 @@ int cb_experts_pinned_total(void) {
     return n;
 }
 
-/* Keep the pinned set unless an outsider is routed clearly more (25% + 1) than the weakest member: without
- * that margin, two experts of near-equal popularity would trade places at every re-pin. */
+/* Pin the hottest experts, keeping a pinned one unless an outsider is clearly hotter (PIN_MARGIN): without
+ * that margin, two experts of near-equal heat would trade places at every re-pin. */
 static void repin_layer(cb_expert_layer *L) {
     int E = L->n_experts, n = 0;
+    const double *heat = L->heat;
     for (int e = 0; e < E; e++) n += L->pinned[e];
     for (;;) {
         int best = -1, weak = -1;
         for (int e = 0; e < E; e++) {
             if (L->pinned[e]) {
-                if (weak < 0 || L->route_count[e] < L->route_count[weak]) weak = e;
-            } else if (L->route_count[e] && (best < 0 || L->route_count[e] > L->route_count[best])) {
+                if (weak < 0 || heat[e] < heat[weak]) weak = e;
+            } else if (heat[e] > 0 && (best < 0 || heat[e] > heat[best])) {
                 best = e;
             }
         }
@@ -719,7 +766,7 @@ static void repin_layer(cb_expert_layer *L) {
         if (n < L->pin_budget) {
             L->pinned[best] = 1;
             n++;
-        } else if (weak >= 0 && (double)L->route_count[best] > 1.25 * (double)L->route_count[weak] + 1.0) {
+        } else if (weak >= 0 && heat[best] > PIN_MARGIN * heat[weak]) {
             L->pinned[weak] = 0;
             L->pinned[best] = 1;
         } else {
@@ -729,7 +776,7 @@ static void repin_layer(cb_expert_layer *L) {
     while (n > L->pin_budget) {   /* a smaller budget than the sidecar's run had */
         int weak = -1;
         for (int e = 0; e < E; e++)
-            if (L->pinned[e] && (weak < 0 || L->route_count[e] < L->route_count[weak])) weak = e;
+            if (L->pinned[e] && (weak < 0 || heat[e] < heat[weak])) weak = e;
         L->pinned[weak] = 0;
         n--;
     }
@@ -784,6 +831,17 @@ static cb_expert_layer *layer_no(int layer) {
 #define HOTSET_MAGIC "colibri-hotset"
 #define HOTSET_VERSION 1
 
+/* A layer's heat from the sidecar's counts: each expert's share of the routing, at the steady-state heat of an
+ * expert routed that often (share / (1 - HEAT_DECAY) units), so the first tokens start from the long-run picture
+ * and their own accesses take over within a few half-lives. */
+static void seed_heat(cb_expert_layer *L) {
+    double total = 0;
+    for (int e = 0; e < L->n_experts; e++) total += L->route_count[e];
+    if (total <= 0) return;
+    for (int e = 0; e < L->n_experts; e++)
+        L->heat[e] = L->heat_unit * (L->route_count[e] / total) / (1.0 - HEAT_DECAY);
+}
+
 /* Load the sidecar's counts into the live layers; a file of another model or version is ignored (noticed). */
 static void load_hotset(void) {
     hotset_loaded = 1;
@@ -814,7 +872,10 @@ static void load_hotset(void) {
             }
         }
         snprintf(hotset_status, sizeof hotset_status, "loaded");
-        for (int i = 0; i < n_live; i++) repin_layer(live[i]);
+        for (int i = 0; i < n_live; i++) {
+            seed_heat(live[i]);
+            repin_layer(live[i]);
+        }
     }
     if (strncmp(hotset_status, "ignored", 7) == 0) fprintf(stderr, "notice: hot set %s\n", hotset_status);
     fclose(f);
@@ -853,7 +914,7 @@ void cb_experts_after_tokens(int n) {
     if (!cb_stream.pin || !n_live) return;
     if (!hotset_loaded) load_hotset();
     tokens_since_repin += n;
-    int every = cb_stream.repin_every > 0 ? cb_stream.repin_every : 64;
+    int every = cb_stream.repin_every > 0 ? cb_stream.repin_every : 8;
     if (tokens_since_repin < every) return;
     tokens_since_repin = 0;
     for (int i = 0; i < n_live; i++) repin_layer(live[i]);
@@ -861,4 +922,78 @@ void cb_experts_after_tokens(int n) {
         char err[512];
         if (cb_experts_save_hotset(err, sizeof err)) fprintf(stderr, "notice: %s\n", err);
     }
+}
+
+/* ---- preloading a cache that holds every expert ---- */
+
+typedef struct {
+    cb_expert_layer **layers;
+    int n_layers;
+    _Atomic long next;         /* the next (layer, expert) to read, layer-major: close to file order */
+    long total;
+    _Atomic int failed;
+    char err[512];
+    pthread_mutex_t err_mu;
+} preload_job;
+
+static void *preload_main(void *arg) {
+    preload_job *job = arg;
+    for (;;) {
+        long i = job->next++;
+        if (i >= job->total || job->failed) return NULL;
+        cb_expert_layer *L = NULL;
+        long e = i;
+        for (int k = 0; k < job->n_layers; e -= job->layers[k++]->n_experts)
+            if (e < job->layers[k]->n_experts) { L = job->layers[k]; break; }
+        /* An empty cache of n_experts slots: expert e takes slot e, so no two threads touch the same entry. */
+        char err[512] = "";
+        if (!L->buf[e] && !(L->buf[e] = alloc_buf()))
+            snprintf(err, sizeof err, "out of memory for an expert slot of layer %d (%zu bytes)", L->layer, buf_bytes);
+        else if (raw_read(L, (int)e, L->buf[e], &L->data_off[e], err, sizeof err) == 0)
+            continue;
+        pthread_mutex_lock(&job->err_mu);
+        if (!job->failed) snprintf(job->err, sizeof job->err, "%s", err);
+        job->failed = 1;
+        pthread_mutex_unlock(&job->err_mu);
+        return NULL;
+    }
+}
+
+int cb_experts_preload(uint64_t *bytes, char *err, size_t errlen) {
+    *bytes = 0;
+    preload_job job = {.err_mu = PTHREAD_MUTEX_INITIALIZER};
+    job.layers = malloc((size_t)(n_live ? n_live : 1) * sizeof *job.layers);
+    if (!job.layers) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (int layer = 0, seen = 0; seen < n_live; layer++) {
+        cb_expert_layer *L = layer_no(layer);
+        if (!L) continue;
+        seen++;
+        int empty = L->cap == L->n_experts;
+        for (int s = 0; s < L->cap && empty; s++) empty = L->expert_in[s] < 0;
+        if (!empty) continue;  /* a partial cache streams; one already in use keeps what it has */
+        job.layers[job.n_layers++] = L;
+        job.total += L->n_experts;
+    }
+    pthread_t th[IO_THREADS];
+    int started = 0;
+    for (int i = 0; i < IO_THREADS; i++) started += pthread_create(&th[started], NULL, preload_main, &job) == 0;
+    if (!started) preload_main(&job);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    /* On a failed read the store stays empty (the buffers are kept and reused by the lazy path). */
+    for (int k = 0; k < job.n_layers && !job.failed; k++) {
+        cb_expert_layer *L = job.layers[k];
+        for (int e = 0; e < L->n_experts; e++) {
+            uint64_t before = L->count.bytes_read;
+            count_read(L, e);
+            *bytes += L->count.bytes_read - before;
+            L->expert_in[e] = e;
+            L->slot_of[e] = e;
+        }
+    }
+    free(job.layers);
+    if (job.failed) snprintf(err, errlen, "%s", job.err);
+    return job.failed ? -1 : 0;
 }

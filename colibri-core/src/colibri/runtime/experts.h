@@ -13,8 +13,16 @@
  * Streaming (all switchable through cb_stream, none of it changing a bit of any expert or any counter of
  * hits/misses/bytes): an I/O pool of threads reads staged experts (the block's own misses first, then
  * lookahead predictions, each class in file-offset order); reads use O_DIRECT where the filesystem allows
- * (probed per shard) or buffered reads with POSIX_FADV_RANDOM; a learned hot set pins the most-routed experts
- * of each layer (half the slots) and persists routing counts in a sidecar next to the model.
+ * (probed per shard) or buffered reads with POSIX_FADV_RANDOM; a learned hot set (see below) replaces LRU.
+ *
+ * The hot set (cb_stream.pin): each expert has a heat, its routing count decayed by HEAT_DECAY at every access
+ * of its layer (half-life ~34 accesses: about 4 tokens at top-8, 17 at top-2), seeded at start from the counts
+ * a sidecar next to the model kept from earlier runs. Every repin_every tokens the hottest experts are pinned
+ * into half the slots (with hysteresis), and a miss evicts the coldest unpinned resident, least recently used
+ * among equals. Recency alone (LRU) forgets an expert routed every other token as soon as a few one-off experts
+ * pass; long-run counts alone keep experts the current text no longer routes to. The decayed count weighs both;
+ * on the skewed benchmark model and on colibri-nano's routing of real code it hits 3-7 points more often than
+ * LRU at the same cache size (docs/benchmarks.md).
  */
 #ifndef COLIBRI_EXPERTS_H
 #define COLIBRI_EXPERTS_H
@@ -71,13 +79,16 @@ typedef struct {
 /* Process-wide streaming options, set by the engine from its arguments before the family loads. */
 enum { CB_IO_AUTO = 0, CB_IO_DIRECT = 1, CB_IO_BUFFERED = 2 };
 typedef struct {
-    int prefetch;              /* I/O pool + own-miss staging + router lookahead */
+    int prefetch;              /* I/O pool: a block's misses load while its resident experts compute */
+    int lookahead;             /* with prefetch: also read the next layer's predicted experts ahead */
     int pin;                   /* learned hot set: pin the most-routed experts, persist counts */
     int io_mode;               /* CB_IO_*: auto = direct when the cache cannot hold every expert and the disk allows */
     int moe_union;             /* 1: each expert read once per call and applied to all its rows; 0: row by row */
     int experts_k;             /* lossy: keep at most this many experts per row (0 = the model's top_k) */
     float experts_top_p;       /* lossy: keep the fewest experts whose routing weight reaches this share (0 = off) */
     int repin_every;           /* tokens between hot-set re-pins */
+    int io_stages;             /* staging buffers of the I/O pool (0 = 2 x top_k, at least 4) */
+    int preload;               /* read every expert of a cache that holds them all at load (cb_experts_preload) */
     const char *hotset_path;   /* sidecar file; NULL = <model dir>/.colibri-hotset */
 } cb_stream_opts;
 extern cb_stream_opts cb_stream;
@@ -85,7 +96,7 @@ extern cb_stream_opts cb_stream;
 /* Cumulative counters of the streaming machinery and time per phase (seconds, wall clock of the main thread). */
 typedef struct {
     double io_wait_s, expert_s, attention_s;
-    uint64_t prefetch_issued, prefetch_used, prefetch_dropped;
+    uint64_t prefetch_issued, prefetch_used, prefetch_dropped;   /* dropped: guesses without a free buffer */
     uint64_t lookahead_predicted, lookahead_actual, lookahead_hits;   /* recall = hits / actual */
     uint64_t direct_reads, buffered_reads;
 } cb_profile;
@@ -105,8 +116,11 @@ typedef struct {
     uint64_t tick;
     cb_expert_counters count;
     size_t *data_off;          /* slot -> where the expert's bytes start in its buffer (direct-I/O alignment) */
-    uint32_t *route_count;     /* expert -> times routed to (the hot set's statistics) */
-    unsigned char *pinned;     /* expert -> 1 when pinned (its slot is never the LRU victim) */
+    uint32_t *route_count;     /* expert -> times routed to (what the sidecar keeps across runs) */
+    double *heat;              /* expert -> decayed routing count, in units of heat_unit (hot set only) */
+    double heat_unit;          /* what one access adds now: grows by 1/HEAT_DECAY per access, so older ones weigh
+                                * less without touching every expert (rescaled before it overflows) */
+    unsigned char *pinned;     /* expert -> 1 when pinned (its slot is never the victim) */
     int pin_budget;            /* how many experts may be pinned: half the slots when the cache is partial */
     unsigned char *predicted;  /* expert -> 1 when the previous layer's lookahead predicted it */
     int has_prediction;
@@ -118,7 +132,7 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
                     int inter, const char *const names[3], char *err, size_t errlen);
 void cb_experts_free(cb_expert_layer *L);
 
-/* Make expert e resident (reading it on a miss, evicting the LRU slot) and return its matrices. The view
+/* Make expert e resident (reading it on a miss, evicting the LRU slot, or the coldest with the hot set) and return its matrices. The view
  * stays valid until the next cb_experts_get on this layer. */
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
@@ -127,14 +141,15 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
  * next cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
  * cb_experts_prefetch is urgent (the caller needs e now); cb_experts_predict is a guess (lookahead), served
  * after every urgent read and the first to give its buffer up when the pool is full. */
-void cb_experts_prefetch(cb_expert_layer *L, int e);
+int cb_experts_prefetch(cb_expert_layer *L, int e);   /* 1 = resident or queued, 0 = no free buffer (or off) */
 void cb_experts_predict(cb_expert_layer *L, int e);
 /* Wait for and discard every staged read of this layer (error paths; cb_experts_free does it too). */
 void cb_experts_prefetch_cancel(cb_expert_layer *L);
 /* Stop the I/O threads and free the staging buffers (at exit; they restart on the next prefetch). */
 void cb_experts_io_shutdown(void);
 
-/* Size the staging pool from the largest top_k of any MoE layer (cb_moe_init calls this). */
+/* Size the staging pool from the largest top_k of any MoE layer (cb_moe_init calls this), unless
+ * cb_stream.io_stages says how many buffers the RAM plan left for it. */
 void cb_experts_hint_top_k(int top_k);
 /* Bytes of the staging buffers prefetching uses (0 when it is off); valid after every init. */
 size_t cb_experts_staging_bytes(void);
@@ -149,6 +164,12 @@ const char *cb_experts_hotset_status(void);
 /* Experts pinned across all layers, and the effective read mode ("direct", "buffered", "mixed"). */
 int cb_experts_pinned_total(void);
 const char *cb_experts_io_name(void);
+
+/* Read every expert of each layer whose (still empty) cache holds them all, on the I/O threads in layer and
+ * expert order, before the first token: a model that fits then costs its reads at load, as llama.cpp's populated
+ * mmap does, instead of slowing its first requests. Counted in reads and bytes_read (*bytes: this call's), never as
+ * hits or misses. Partial caches are left to stream. Returns 0, or -1 with the failed read's message. */
+int cb_experts_preload(uint64_t *bytes, char *err, size_t errlen);
 
 /* Bytes of the cache at full occupancy. */
 size_t cb_experts_cache_bytes(const cb_expert_layer *L);
