@@ -8,25 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-static int failures, checks;
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        checks++;                                                          \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
+#include "check.h"
 
-static uint64_t rng_state = 88172645463325252ULL;
-static double uniform(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (double)(rng_state >> 11) / 9007199254740992.0;
-}
+static double uniform(void) { return (double)(rnd() >> 11) / 9007199254740992.0; }
 
 /* n floats uniform in [-scale, scale] (+ offset), malloc'ed. */
 static float *rand_floats(size_t n, float scale, float offset) {

@@ -15,25 +15,8 @@
 #include "fp8.h"
 #include "kernels.h"
 
-static int failures, checks;
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        checks++;                                                          \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-static uint64_t rnd(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
+#define TEST_SEED 0x9e3779b97f4a7c15ULL
+#include "check.h"
 static float rnd_unit(void) { return (float)((double)(rnd() >> 11) / 9007199254740992.0) * 2.0f - 1.0f; }
 /* Any e4m3 byte but the two NaNs (real checkpoints hold none). */
 static uint8_t rnd_e4m3(void) {

@@ -15,25 +15,8 @@
 #include "mla.h"
 #include "router.h"
 
-static int failures, checks;
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        checks++;                                                          \
-        if (!(cond)) {                                                     \
-            failures++;                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
-static uint64_t rnd(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
+#define TEST_SEED 0x9E3779B97F4A7C15ULL
+#include "check.h"
 static float urand(void) { return (float)(rnd() >> 40) / (float)(1 << 24) * 2.0f - 1.0f; }   /* [-1, 1) */
 
 static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
