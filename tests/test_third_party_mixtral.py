@@ -28,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 PACKAGE = "colibri-mixtral"
 FIXTURE = Path(__file__).parent / "fixtures" / PACKAGE
-SEED = 1                # weights; chosen so the greedy run below has a comfortable top-1/top-2 margin
+# Weights. Seeds 0-15 scanned: random models fall into short loops; seed 3 alternates two tokens (so routing
+# changes every step) with a smallest top-1/top-2 margin of 0.024 logit over the run, 240x the logit tolerance.
+SEED = 3
 GEOMETRY = dict(vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
                 rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
@@ -108,7 +110,6 @@ def reference(model_dir):
     top2 = torch.cat(out.logits).topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min().item()
     tokens = out.sequences[0, len(ids):].tolist()
-    print(f"margin {margin:.4f} tokens {tokens}")
     assert margin >= MIN_MARGIN, f"seed {SEED}: greedy margin {margin:.2e} is a near-tie; pick another seed"
     assert GEOMETRY["eos_token_id"] not in tokens, f"seed {SEED}: the greedy run stops early; pick another seed"
     return {"ids": list(ids), "logits": logits, "tokens": tokens}
