@@ -28,9 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 PACKAGE = "colibri-mixtral"
 FIXTURE = Path(__file__).parent / "fixtures" / PACKAGE
-# Weights. Seeds 0-15 scanned: random models fall into short loops; seed 3 alternates two tokens (so routing
-# changes every step) with a smallest top-1/top-2 margin of 0.024 logit over the run, 240x the logit tolerance.
-SEED = 3
+# Weights. Seeds 0-15 scanned: smallest top-1/top-2 margins over the greedy run 0.0005-0.045 logit; seed 4 has
+# 0.027 (270x the logit tolerance) and 13 distinct tokens in 24, so routing changes from step to step.
+SEED = 4
 GEOMETRY = dict(vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
                 rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
@@ -76,12 +76,15 @@ def write_tokenizer(directory: Path) -> None:
 
 
 def redraw(model, seed: int) -> None:
-    """Every parameter at O(1) scale, per name: matrices N(0, 1/fan_in), norm weights 1 + 0.1 N."""
+    """Every parameter at O(1) scale, per name: matrices N(0, 1/fan_in), norm weights 1 + 0.1 N.
+
+    fan_in is the last dimension: transformers 5 holds the experts fused as [experts, out, in].
+    """
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
             noise = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(key))
-            tensor.copy_(1 + 0.1 * noise if tensor.dim() == 1 else noise / math.sqrt(math.prod(tensor.shape[1:])))
+            tensor.copy_(1 + 0.1 * noise if tensor.dim() == 1 else noise / math.sqrt(tensor.shape[-1]))
 
 
 @pytest.fixture(scope="module")
