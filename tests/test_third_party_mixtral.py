@@ -194,3 +194,16 @@ def test_prompt_logits_match_transformers(installed, model_dir, reference):
     assert got.shape == reference["logits"].shape
     diff = (got - reference["logits"]).abs().max().item()
     assert diff < LOGIT_TOL, f"prompt logits differ from transformers by {diff}"
+
+
+def test_a_config_the_engine_cannot_run_is_one_line(installed, model_dir, tmp_path):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).symlink_to(model_dir / name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([str(coli_script()), "run", "hi", "--model", str(tmp_path), "--max-tokens", "1"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"error: {tmp_path / 'config.json'}: rope type 'linear' (partial 1) is not "
+                                   "supported by the mixtral engine (the engine implements full default RoPE)")
