@@ -7,8 +7,12 @@ The route layers (OpenAI, Anthropic) only format what this yields. The order of 
    response is committed, so a client always gets a clean status code for it.
 2. ``async for item in run.stream()`` — :class:`Delta` text, :class:`KeepAlive` during long prefills, and one
    final :class:`Finished` (or :class:`Failed` if the engine died mid-way).
-3. ``run.abort()`` in a ``finally`` — if the client left early, cancel the sequence in the engine. The slot is
+3. ``run.close()`` in a ``finally`` — if the client left early, cancel the sequence in the engine. The slot is
    released by the pump thread only when the engine confirms (its ``done``), or dies.
+
+A hang-up is certain to cancel: the run registers its cancel with the request's :class:`~.hangup.HangUpWatch`,
+which calls it the moment ``http.disconnect`` arrives, whatever the run is awaiting. A client that leaves while
+queued, while its prompt is tokenized or while the engine loads is dropped before it reaches the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,13 +32,18 @@ from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
 from .engine_host import EngineHost
 from .errors import APIError, bad_request
+from .hangup import HangUpWatch
 from .metrics import Metrics
 from .scheduler import Lease, SlotScheduler
 from .textgen import StopMatcher
 from .validation import GenerationSpec
 
 KEEPALIVE_S = 10.0
-DISCONNECT_POLL_S = 0.5
+
+
+def hung_up_error() -> APIError:
+    # nobody reads this answer; the status only labels the request in the access log and the metrics
+    return APIError(499, "client closed the connection", code="client_disconnected")
 
 
 class Codec(Protocol):
@@ -121,10 +130,11 @@ def conversation_key(spec: GenerationSpec) -> str | None:
 
 
 class GenerationRun:
-    def __init__(self, services: Services, spec: GenerationSpec, route: str):
+    def __init__(self, services: Services, spec: GenerationSpec, route: str, hangup: HangUpWatch):
         self.s = services
         self.spec = spec
         self.route = route
+        self.hangup = hangup
         self.prompt_ids: list[int] = []
         self.max_tokens = 0
         self.accept: dict[str, Any] = {}
@@ -134,6 +144,8 @@ class GenerationRun:
         self._events: asyncio.Queue = asyncio.Queue()
         self._finished = False
         self._aborted = False
+        self._closed = False
+        self._next: asyncio.Future | None = None   # the pending read of the next engine event
         self._started_at = time.monotonic()
 
     # ---- before commit ---------------------------------------------------------------------------------------
@@ -168,10 +180,21 @@ class GenerationRun:
         self.max_tokens = room if spec.max_tokens is None else min(spec.max_tokens, room)
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
-        self._lease = await self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot)
+        self.hangup.on_hang_up(self.abort)   # from here on a hang-up cancels whatever is running
         try:
-            self._engine = await self.s.host.engine(self.s.queue_timeout)
+            await self._start()
+        except BaseException:
+            self.hangup.stop()
+            raise
+
+    async def _start(self) -> None:
+        await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
+        self._lease = await self._unless_hung_up(
+            self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot), undo=Lease.release)
+        try:
+            self._engine = await self._unless_hung_up(self.s.host.engine(self.s.queue_timeout))
+            if self.hangup.hung_up:    # no await from here to the submit: a later hang-up finds the request
+                raise self._gone_before_submit()
             try:
                 self._request = self._engine.submit(
                     self.prompt_ids, slot=self._lease.slot, max_tokens=self.max_tokens, **self.sampling(),
@@ -193,9 +216,34 @@ class GenerationRun:
             raise
         if first[0] == "event" and first[1].get("ev") == "accept":
             self.accept = first[1]
+            if self.hangup.hung_up:   # the cancel is on its way; the pump frees the slot at the engine's done
+                self.close()
+                raise hung_up_error()
             return
         self._finished = True
         raise self._refusal(first)
+
+    async def _unless_hung_up(self, awaitable: Awaitable[Any], undo: Callable[[Any], None] | None = None) -> Any:
+        """Await ``awaitable`` unless the client hangs up first; then cancel it, undo what it obtained anyway
+        (a slot granted at the very moment of the cancel), and refuse with 499."""
+        task = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self.hangup.wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _cancel_and_undo(task, undo)
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        await _cancel_and_undo(task, undo)
+        raise self._gone_before_submit()
+
+    def _gone_before_submit(self) -> APIError:
+        self._finished = self._closed = True
+        self.s.metrics.rejected("client_disconnected")
+        return hung_up_error()
 
     def sampling(self) -> dict[str, Any]:
         """The request's sampling, with what it leaves out taken from the checkpoint (as ``coli run`` does)."""
@@ -251,11 +299,11 @@ class GenerationRun:
         generated = 0
         reused = int(self.accept.get("reused_tokens", 0) or 0)
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(self._events.get(), timeout=KEEPALIVE_S)
-            except asyncio.TimeoutError:
+            item = await self._next_event(KEEPALIVE_S)
+            if item is None:
                 yield KeepAlive()
                 continue
+            kind, payload = item
             if kind != "event":
                 self._finished = True
                 error = self._refusal((kind, payload))
@@ -295,6 +343,17 @@ class GenerationRun:
                     yield Finished(reason, None, usage, payload)
                 return
 
+    async def _next_event(self, timeout: float) -> tuple[str, Any] | None:
+        """The next engine event, or None after ``timeout`` s of silence. The read survives a timeout (no event
+        is lost), and a cancellation of the caller always propagates (unlike ``wait_for`` on Python 3.11)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._events.get())
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            return None
+        read, self._next = self._next, None
+        return read.result()
+
     def abort(self) -> None:
         """Cancel the sequence in the engine if it is still running (client gone, stop sequence seen)."""
         if self._request is not None and not self._aborted and not self._request.finished:
@@ -305,14 +364,29 @@ class GenerationRun:
                 pass
 
     def close(self) -> None:
-        """Called when the consumer is finished for any reason."""
+        """Called (once or more) when the consumer is finished for any reason."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hangup.stop()
+        if self._next is not None:
+            self._next.cancel()
         if not self._finished:
             self.s.metrics.request_failed("client_disconnected")
             self.abort()
 
 
-async def run_to_completion(run: GenerationRun, disconnected: Callable[[], Any]) -> tuple[str, Finished]:
-    """Collect a whole completion (non-streaming), cancelling it if the client hangs up meanwhile."""
+async def _cancel_and_undo(task: asyncio.Future, undo: Callable[[Any], None] | None) -> None:
+    task.cancel()
+    await asyncio.wait({task})
+    if task.cancelled():
+        return
+    if task.exception() is None and undo is not None:
+        undo(task.result())
+
+
+async def run_to_completion(run: GenerationRun) -> tuple[str, Finished]:
+    """Collect a whole completion (non-streaming); a hang-up meanwhile has already cancelled it in the engine."""
     pieces: list[str] = []
 
     async def consume() -> Finished | Failed:
@@ -324,14 +398,17 @@ async def run_to_completion(run: GenerationRun, disconnected: Callable[[], Any])
         raise AssertionError("stream ended without a final item")
 
     task = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(run.hangup.wait())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await disconnected():
-                task.cancel()
-                raise APIError(499, "client closed the connection", code="client_disconnected")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise hung_up_error()
         result = task.result()
     finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
         run.close()
     if isinstance(result, Failed):
         raise result.error
