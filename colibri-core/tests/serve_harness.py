@@ -76,7 +76,9 @@ class RunningServer:
 def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: int = 8,
                  queue_timeout: float = 30.0, api_key: str | None = None, eos_every: int = 0,
                  env: dict[str, str] | None = None, max_body: int = 1024 * 1024,
-                 cors: tuple[str, ...] = (), wait: bool = True, factory=None, on_fatal=None) -> RunningServer:
+                 cors: tuple[str, ...] = (), wait: bool = True, factory=None, on_fatal=None,
+                 **settings) -> RunningServer:
+    """``settings``: any other :class:`ServerConfig` field (allowed_hosts, header_timeout, ...)."""
     codec = TokenizerCodec.from_model_dir(model_dir)
     argv = fake_argv(model_dir, ctx, slots, codec.vocab_size, eos_every)
     engines: list = []
@@ -88,7 +90,7 @@ def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: 
 
     config = ServerConfig(model_id=model_dir.name, ctx=ctx, kv_slots=slots, max_queue=max_queue,
                           queue_timeout=queue_timeout, api_key=api_key, max_body=max_body, cors_origins=cors,
-                          created=int(time.time()))
+                          created=int(time.time()), **settings)
     app = create_app(config, factory or start_engine, codec, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            timeout_graceful_shutdown=5))

@@ -1,9 +1,9 @@
 """The ASGI application: routes, the key gate, body limits, CORS, and one error envelope per dialect.
 
-Layering, outermost first: CORS (only with ``--cors-origin``; answers preflights) → the gate (API key, declared
-body size) → the router. Every route's failure is an :class:`APIError` rendered in the envelope its clients
-parse (OpenAI's, or Anthropic's on ``/v1/messages``); an unexpected exception is logged and answered with a 500
-in the same envelope, never a bare traceback.
+Layering, outermost first: CORS (only with ``--cors-origin``; answers preflights) → the gate (Host, Origin and
+content type as :mod:`.crosssite` rules them, API key, declared body size) → the router. Every route's failure is
+an :class:`APIError` rendered in the envelope its clients parse (OpenAI's, or Anthropic's on ``/v1/messages``); an
+unexpected exception is logged and answered with a 500 in the same envelope, never a bare traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from starlette.routing import Route
 from . import anthropic_routes, openai_routes
 from .auth import check_key
 from .config import ServerConfig
+from .crosssite import CrossSitePolicy
 from .engine_host import EngineHost, EngineLike
 from .errors import APIError, dialect_of
 from .generation import Codec, Services
@@ -80,11 +81,13 @@ def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
 
 
 class Gate:
-    """ASGI middleware: the API key on every route but /health, and an early 413 on a declared oversize body."""
+    """ASGI middleware: the cross-site rules, the API key on every route but /health, and an early 413 on a
+    declared oversize body."""
 
     def __init__(self, app, config: ServerConfig):
         self.app = app
         self.config = config
+        self.policy = CrossSitePolicy(config.host, config.allowed_hosts, config.cors_origins)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -93,6 +96,7 @@ class Gate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
         try:
+            self.policy.check(scope["method"], path, headers)
             check_key(self.config.api_key, headers, path)
             declared = headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self.config.max_body:

@@ -26,3 +26,5 @@ class ServerConfig:
     family: str = ""
     created: int = 0                       # unix time the server started (the model's "created")
     lossy: str = ""                        # opt-in lossy routing ("experts-k=4"), labelled on every response
+    host: str = DEFAULT_HOST               # the bound address (a name there is a Host the server answers to)
+    allowed_hosts: tuple[str, ...] = ()    # more Host names to answer to (--allowed-host; "*" = any)
