@@ -34,6 +34,7 @@ from .engine_host import EngineHost
 from .errors import APIError, bad_request
 from .hangup import HangUpWatch
 from .metrics import Metrics
+from .prompt_bound import PromptBound
 from .scheduler import Lease, SlotScheduler
 from .textgen import StopMatcher
 from .validation import GenerationSpec
@@ -50,10 +51,11 @@ class Codec(Protocol):
     """Tokenizer and chat template of the served model (the same code ``coli chat`` renders with)."""
 
     stop_ids: Sequence[int]
+    bound: PromptBound
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
-    def text_ids(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -136,6 +138,7 @@ class GenerationRun:
         self.route = route
         self.hangup = hangup
         self.prompt_ids: list[int] = []
+        self._text = ""                       # the prompt text, between measure() and prepare()
         self.max_tokens = 0
         self.accept: dict[str, Any] = {}
         self._lease: Lease | None = None
@@ -150,34 +153,53 @@ class GenerationRun:
 
     # ---- before commit ---------------------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Tokenize and size the request; raises 400 when the prompt alone does not fit the context."""
+    def measure(self) -> None:
+        """Before queueing: render the prompt text and refuse, by its length alone, one that cannot fit the context.
+
+        Nothing is tokenized here (that costs far more memory than the text), so a huge prompt costs its bytes."""
         spec, codec = self.spec, self.s.codec
+        if spec.prompt_ids is not None:
+            if len(spec.prompt_ids) >= self.s.ctx:
+                raise self._too_long(f"{len(spec.prompt_ids)} tokens")
+            return
         try:
-            if spec.prompt_ids is not None:
-                self.prompt_ids = list(spec.prompt_ids)
-            elif spec.prompt_text is not None:
-                self.prompt_ids = codec.text_ids(spec.prompt_text)
-            else:
-                self.prompt_ids = codec.chat_ids(spec.messages or [])
+            self._text = spec.prompt_text if spec.prompt_text is not None else codec.render_chat(spec.messages or [])
         except ColibriError as exc:   # e.g. the template refuses the roles' order, or there is no template
-            raise bad_request(exc.one_line(), param="messages" if spec.messages else "prompt",
-                              code="invalid_prompt") from None
+            raise bad_request(exc.one_line(), param=self._prompt_param(), code="invalid_prompt") from None
+        size = len(self._text.encode("utf-8"))
+        at_least = codec.bound.min_tokens(size)
+        if at_least >= self.s.ctx:
+            raise self._too_long(f"{size} bytes, so at least {at_least} tokens (no token of this model covers more "
+                                 f"than {codec.bound.bytes_per_token} bytes)")
+
+    def prepare(self) -> None:
+        """Under admission (a slot is held): tokenize and size the request; 400 when the prompt leaves no room."""
+        spec, codec = self.spec, self.s.codec
+        if spec.prompt_ids is not None:
+            self.prompt_ids = list(spec.prompt_ids)
+        else:
+            # a completion's text gets the tokenizer's own BOS and the like; a rendered chat already holds its own
+            self.prompt_ids = codec.encode(self._text, add_special_tokens=spec.prompt_text is not None)
+            self._text = ""
         vocab = getattr(codec, "vocab_size", 0)
         if vocab and any(t >= vocab for t in self.prompt_ids):
             raise bad_request(f"'prompt' holds a token id past the vocabulary ({vocab})", param="prompt",
                               code="invalid_value")
         if not self.prompt_ids:
-            raise bad_request("the prompt is empty after tokenization", param="messages" if spec.messages else
-                              "prompt")
+            raise bad_request("the prompt is empty after tokenization", param=self._prompt_param())
         room = self.s.ctx - len(self.prompt_ids)
         if room < 1:
-            raise APIError(400, f"the prompt is {len(self.prompt_ids)} tokens; this server's context is "
-                                f"{self.s.ctx} tokens (prompt plus completion), so there is no room to generate. "
-                                f"Shorten the messages", param="messages" if spec.messages else "prompt",
-                           code="context_length_exceeded")
+            raise self._too_long(f"{len(self.prompt_ids)} tokens")
         # Over-large limits are clamped to what fits, never refused (a client's "max" is a ceiling, not a demand).
         self.max_tokens = room if spec.max_tokens is None else min(spec.max_tokens, room)
+
+    def _prompt_param(self) -> str:
+        return "messages" if self.spec.messages else "prompt"
+
+    def _too_long(self, size: str) -> APIError:
+        return APIError(400, f"the prompt is {size}; this server's context is {self.s.ctx} tokens (prompt plus "
+                             f"completion), so there is no room to generate. Shorten the messages",
+                        param=self._prompt_param(), code="context_length_exceeded")
 
     async def start(self) -> None:
         self.hangup.on_hang_up(self.abort)   # from here on a hang-up cancels whatever is running
@@ -188,10 +210,15 @@ class GenerationRun:
             raise
 
     async def _start(self) -> None:
-        await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
+        await asyncio.to_thread(self.measure)   # rendering a large prompt must not stall other streams
         self._lease = await self._unless_hung_up(
             self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot), undo=Lease.release)
         try:
+            # Tokenized under admission: at most one prompt per slot is in the tokenizer at any time. The thread
+            # cannot be interrupted, so a hang-up meanwhile is acted on once it returns.
+            await asyncio.to_thread(self.prepare)
+            if self.hangup.hung_up:
+                raise self._gone_before_submit()
             self._engine = await self._unless_hung_up(self.s.host.engine(self.s.queue_timeout))
             if self.hangup.hung_up:    # no await from here to the submit: a later hang-up finds the request
                 raise self._gone_before_submit()
@@ -278,7 +305,7 @@ class GenerationRun:
             code = payload.code
             if code == "context_exceeded":
                 return APIError(400, f"the prompt does not fit the context: {payload.message}",
-                                param="messages" if self.spec.messages else "prompt", code="context_length_exceeded")
+                                param=self._prompt_param(), code="context_length_exceeded")
             if code == "bad_request":
                 return APIError(400, payload.message, code="invalid_request")
             if code == "busy":
