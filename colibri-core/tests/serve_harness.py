@@ -16,6 +16,7 @@ import uvicorn
 from colibri.engine import Engine
 from colibri.server import ServerConfig, create_app
 from colibri.server.codec import TokenizerCodec
+from colibri.server.connections import uvicorn_server
 
 FAKE = Path(__file__).with_name("serve_fake_engine.py")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -92,8 +93,7 @@ def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: 
                           queue_timeout=queue_timeout, api_key=api_key, max_body=max_body, cors_origins=cors,
                           created=int(time.time()), **settings)
     app = create_app(config, factory or start_engine, codec, on_fatal=on_fatal)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn_server(app, config, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,6 +8,7 @@ unexpected exception is logged and answered with a 500 in the same envelope, nev
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,13 +19,14 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import anthropic_routes, openai_routes
 from .auth import check_key
 from .config import ServerConfig
+from .connections import install_fd_exhaustion_log
 from .crosssite import CrossSitePolicy
 from .engine_host import EngineHost, EngineLike
 from .errors import APIError, dialect_of
@@ -41,22 +43,39 @@ def error_response(error: APIError, path: str) -> Response:
                     headers=error.headers)
 
 
-async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) past ``limit`` bytes without buffering more than that."""
+async def read_limited_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refusing (413) past ``limit`` bytes without buffering more than that, and (408) when it has not
+    all arrived within ``timeout`` seconds."""
     too_large = APIError(413, f"request body exceeds the {limit}-byte limit (--max-body)", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise APIError(400, "client disconnected while sending the body", code="client_disconnected") from None
+    async for message in _body_messages(request.receive, timeout):
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "client disconnected while sending the body", code="client_disconnected")
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise too_large
+        chunks.append(message.get("body", b""))
     return b"".join(chunks)
+
+
+async def _body_messages(receive, timeout: float):
+    """The body's ``receive`` messages until the last one (or a disconnect), all within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        pending = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({pending}, timeout=max(0.0, deadline - loop.time()))
+        if not done:
+            pending.cancel()
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                           code="request_timeout", headers={"Connection": "close"})
+        message = pending.result()
+        yield message
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
 
 
 def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
@@ -103,7 +122,7 @@ class Gate:
                 raise APIError(413, f"request body exceeds the {self.config.max_body}-byte limit (--max-body)",
                                code="request_too_large")
         except APIError as error:
-            await _drain(receive, self.config.max_body)
+            await _drain(receive, self.config.max_body, self.config.body_timeout)
             await error_response(error, path)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -130,17 +149,17 @@ class LossyLabel:
         await self.app(scope, receive, labelled)
 
 
-async def _drain(receive, limit: int) -> None:
+async def _drain(receive, limit: int, timeout: float) -> None:
     """Read (and drop) a bounded part of the body first: closing on unread data makes the kernel send a reset,
     which can destroy the error response before the client reads it."""
     budget = max(16 * 1024 * 1024, 2 * limit)
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        budget -= len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
+    try:
+        async for message in _body_messages(receive, timeout):
+            budget -= len(message.get("body", b""))
+            if budget <= 0:
+                return
+    except APIError:   # too slow: answer anyway
+        return
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], codec: Codec,
@@ -173,7 +192,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     async def read_json(request: Request) -> dict:
-        return parse_json_body(await read_limited_body(request, config.max_body))
+        return parse_json_body(await read_limited_body(request, config.max_body, config.body_timeout))
 
     routes = [
         Route("/health", _endpoint("health", health), methods=["GET"]),
@@ -198,6 +217,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        install_fd_exhaustion_log(asyncio.get_running_loop())
         host.start()
         try:
             yield
