@@ -31,6 +31,27 @@ def build_tokenizer_dir(directory: Path) -> Path:
     return directory
 
 
+def tokenizer_dir_fixture(name: str):
+    """A module-scoped ``model_dir`` fixture: the tiny tokenizer checkpoint in a fresh directory ``name``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory):
+        return build_tokenizer_dir(tmp_path_factory.mktemp(name) / "tiny-chat")
+
+    return model_dir
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 10 ms for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def fake_argv(model_dir: Path, ctx: int, slots: int, vocab: int, eos_every: int = 0) -> list[str]:
     return [sys.executable, str(FAKE), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", "0", "--threads", "1", "--set", f"vocab={vocab}", "--set", "first_text_id=4",

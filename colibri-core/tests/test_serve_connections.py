@@ -15,10 +15,9 @@ import threading
 import time
 
 import httpx
-import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
 
 from colibri.server.connections import RateLimitedLog, install_fd_exhaustion_log  # noqa: E402
 
@@ -26,9 +25,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 DEADLINE = 0.5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tokenizer_dir(tmp_path_factory.mktemp("serve-conn") / "tiny-chat")
+model_dir = tokenizer_dir_fixture("serve-conn")
 
 
 def port_of(server) -> int:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
 
 from colibri.server.crosssite import CrossSitePolicy, split_host  # noqa: E402
 
@@ -20,9 +20,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 EVIL = "http://evil.example"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tokenizer_dir(tmp_path_factory.mktemp("serve-xsite") / "tiny-chat")
+model_dir = tokenizer_dir_fixture("serve-xsite")
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,14 @@ import threading
 import time
 
 import httpx
-import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture, wait_until  # noqa: E402
 
 from colibri.server.generation import _cancel_and_undo  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tokenizer_dir(tmp_path_factory.mktemp("serve-hangups") / "tiny-chat")
+model_dir = tokenizer_dir_fixture("serve-hangups")
 
 
 def raw_request(server, path: str, body: dict) -> bytes:
@@ -52,15 +49,6 @@ def read_at_least(sock: socket.socket, n: int) -> bytes:
             break
         got += chunk
     return got
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def long_body(stream: bool, content: str) -> dict:

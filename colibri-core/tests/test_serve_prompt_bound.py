@@ -13,18 +13,15 @@ import threading
 import time
 
 import httpx
-import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
 
 from colibri.server.prompt_bound import CONSERVATIVE_FACTOR, prompt_bound  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tokenizer_dir(tmp_path_factory.mktemp("serve-bound") / "tiny-chat")
+model_dir = tokenizer_dir_fixture("serve-bound")
 
 
 def test_the_byte_level_bound_is_exact_and_holds_on_adversarial_text(model_dir):
