@@ -52,6 +52,35 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def raw_request(base: str, path: str, body: dict) -> bytes:
+    """The bytes of a JSON POST to ``base`` + ``path``, for tests that need exact control of a socket."""
+    import json
+
+    payload = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: {base.removeprefix('http://')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+def connect(base: str):
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_at_least(sock, n: int) -> bytes:
+    """At least ``n`` bytes from ``sock``, or what it sent before closing."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def fake_argv(model_dir: Path, ctx: int, slots: int, vocab: int, eos_every: int = 0) -> list[str]:
     return [sys.executable, str(FAKE), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", "0", "--threads", "1", "--set", f"vocab={vocab}", "--set", "first_text_id=4",

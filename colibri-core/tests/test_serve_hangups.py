@@ -10,45 +10,20 @@ import sys
 from pathlib import Path
 
 import asyncio
-import json
 import random
-import socket
 import threading
 import time
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import start_server, tokenizer_dir_fixture, wait_until  # noqa: E402
+from serve_harness import (  # noqa: E402
+    connect, raw_request, read_at_least, start_server, tokenizer_dir_fixture, wait_until)
 
 from colibri.server.generation import _cancel_and_undo  # noqa: E402
 
 
 model_dir = tokenizer_dir_fixture("serve-hangups")
-
-
-def raw_request(server, path: str, body: dict) -> bytes:
-    payload = json.dumps(body).encode()
-    host = server.base.removeprefix("http://")
-    return (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(payload)}\r\n\r\n").encode() + payload
-
-
-def connect(server) -> socket.socket:
-    host, port = server.base.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def read_at_least(sock: socket.socket, n: int) -> bytes:
-    got = b""
-    while len(got) < n:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    return got
 
 
 def long_body(stream: bool, content: str) -> dict:
@@ -72,9 +47,9 @@ def test_hang_ups_at_any_moment_always_cancel_and_free_the_slot(model_dir):
                 path = ("/v1/chat/completions", "/v1/messages")[i % 2]
                 stream = (i // 2) % 2 == 0
                 body = long_body(stream, f"worker {worker} round {i}")
-                sock = connect(server)
+                sock = connect(server.base)
                 try:
-                    sock.sendall(raw_request(server, path, body))
+                    sock.sendall(raw_request(server.base, path, body))
                     moment = rng.randrange(4)
                     if moment == 1:
                         time.sleep(rng.random() * 0.02)          # queued, prefilling or just accepted
@@ -113,18 +88,18 @@ def test_queued_clients_that_hang_up_never_reach_the_engine(model_dir):
     scheduler = server.app.state.services.scheduler
     metrics = server.app.state.metrics
     try:
-        holder = connect(server)
-        holder.sendall(raw_request(server, "/v1/chat/completions", long_body(True, "hold the slot")))
+        holder = connect(server.base)
+        holder.sendall(raw_request(server.base, "/v1/chat/completions", long_body(True, "hold the slot")))
         read_at_least(holder, 1)
         assert scheduler.busy == 1
         leavers = []
         for i in range(12):
-            sock = connect(server)
+            sock = connect(server.base)
             path = ("/v1/chat/completions", "/v1/messages", "/v1/completions")[i % 3]
             body = long_body(i % 2 == 0, f"leaver {i}")
             if path == "/v1/completions":
                 body = {"model": "m", "prompt": f"leaver {i}", "max_tokens": 5, "stream": i % 2 == 0}
-            sock.sendall(raw_request(server, path, body))
+            sock.sendall(raw_request(server.base, path, body))
             leavers.append(sock)
         wait_until(lambda: scheduler.queued == 12, 10, "12 queued requests")
         for sock in leavers:
