@@ -196,3 +196,94 @@ def test_descriptor_exhaustion_is_one_line_per_interval_not_a_flood(caplog):
         now[0] = step * 1.0
         limited.hit()
     assert seen == [1, 30, 30, 30]   # the first at once, then one summary per 30 s counting what it folded
+
+
+SERVE_UNDER_A_LIMIT = """
+import json, resource, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from serve_harness import start_server
+server = start_server(Path(sys.argv[2]), ctx=128, slots=1, **json.loads(sys.argv[3]))
+print(server.base, flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def serve_with_256_descriptors(model_dir, settings: dict):
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_UNDER_A_LIMIT, str(Path(__file__).parent), str(model_dir),
+                             json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    base = proc.stdout.readline().decode().strip()
+    assert base.startswith("http://"), proc.stderr.read().decode()[-2000:]
+    return proc, base
+
+
+def idle_sockets(base: str, count: int, source: str) -> list[socket.socket]:
+    port = int(base.rsplit(":", 1)[1])
+    held = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        held.append(sock)
+    return held
+
+
+def finish(proc) -> str:
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except Exception:  # noqa: BLE001 - a stuck server must not hang the suite
+        proc.kill()
+        proc.wait()
+    return proc.stderr.read().decode(errors="replace")
+
+
+def test_300_idle_sockets_under_a_256_descriptor_limit_do_not_stop_service(model_dir):
+    proc, base = serve_with_256_descriptors(model_dir, {"header_timeout": 30})
+    held = []
+    try:
+        held = idle_sockets(base, 300, "127.0.0.2")     # one address: the per-client cap refuses past 64
+        started = time.monotonic()
+        r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - started < 5
+    finally:
+        for sock in held:
+            sock.close()
+        log = finish(proc)
+    assert "Too many open files" not in log and "out of system resource" not in log, log[-2000:]
+
+
+def test_running_out_of_descriptors_is_logged_once_and_service_resumes(model_dir):
+    # caps set past the descriptor limit on purpose, so accept() itself fails
+    proc, base = serve_with_256_descriptors(model_dir, {"header_timeout": 1.0, "max_connections": 10_000,
+                                                        "max_connections_per_client": 10_000})
+    held = []
+    try:
+        held = idle_sockets(base, 300, "127.0.0.2")
+        time.sleep(1.5)     # the server retries accept() once a second meanwhile
+        for sock in held:
+            sock.close()
+        held = []
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "service did not resume"
+            time.sleep(0.05)
+    finally:
+        for sock in held:
+            sock.close()
+        log = finish(proc)
+    warnings = [line for line in log.splitlines() if "out of file descriptors" in line]
+    # one line, whatever the number of failed accept()s (asyncio retries every second, from up to a backlog of
+    # pending retries)
+    assert len(warnings) == 1, log[-3000:]
+    assert "Traceback" not in log and len(log.splitlines()) < 20, log[-3000:]

@@ -191,6 +191,10 @@ def install_fd_exhaustion_log(loop: asyncio.AbstractEventLoop) -> None:
         exc = context.get("exception")
         if isinstance(exc, OSError) and exc.errno in _FD_ERRNOS:
             limited.hit()
+        elif isinstance(exc, ValueError) and "_start_serving" in str(context.get("message", "")):
+            # after a failed accept() asyncio retries in a second; a retry still pending when the server closes
+            # its socket fails on the closed descriptor: harmless, part of shutting down
+            log.debug("accept retry after shutdown: %s", exc)
         elif previous is not None:
             previous(loop, context)
         else:
