@@ -211,6 +211,8 @@ class GenerationRun:
 
     async def _start(self) -> None:
         await asyncio.to_thread(self.measure)   # rendering a large prompt must not stall other streams
+        if self.hangup.hung_up:
+            raise self._gone_before_submit()
         self._lease = await self._unless_hung_up(
             self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot), undo=Lease.release)
         try:
