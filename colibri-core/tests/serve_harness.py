@@ -16,6 +16,7 @@ import uvicorn
 from colibri.engine import Engine
 from colibri.server import ServerConfig, create_app
 from colibri.server.codec import TokenizerCodec
+from colibri.server.connections import uvicorn_server
 
 FAKE = Path(__file__).with_name("serve_fake_engine.py")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -28,6 +29,56 @@ def build_tokenizer_dir(directory: Path) -> Path:
     tok = train_bpe(stdlib_texts(max_bytes=300_000), vocab_size=512)
     write_tokenizer_files(directory, tok, chat_template=CHAT_TEMPLATE)
     return directory
+
+
+def tokenizer_dir_fixture(name: str):
+    """A module-scoped ``model_dir`` fixture: the tiny tokenizer checkpoint in a fresh directory ``name``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory):
+        return build_tokenizer_dir(tmp_path_factory.mktemp(name) / "tiny-chat")
+
+    return model_dir
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 10 ms for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def raw_request(base: str, path: str, body: dict) -> bytes:
+    """The bytes of a JSON POST to ``base`` + ``path``, for tests that need exact control of a socket."""
+    import json
+
+    payload = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: {base.removeprefix('http://')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+def connect(base: str):
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_at_least(sock, n: int) -> bytes:
+    """At least ``n`` bytes from ``sock``, or what it sent before closing."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 def fake_argv(model_dir: Path, ctx: int, slots: int, vocab: int, eos_every: int = 0) -> list[str]:
@@ -76,7 +127,9 @@ class RunningServer:
 def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: int = 8,
                  queue_timeout: float = 30.0, api_key: str | None = None, eos_every: int = 0,
                  env: dict[str, str] | None = None, max_body: int = 1024 * 1024,
-                 cors: tuple[str, ...] = (), wait: bool = True, factory=None, on_fatal=None) -> RunningServer:
+                 cors: tuple[str, ...] = (), wait: bool = True, factory=None, on_fatal=None,
+                 **settings) -> RunningServer:
+    """``settings``: any other :class:`ServerConfig` field (allowed_hosts, header_timeout, ...)."""
     codec = TokenizerCodec.from_model_dir(model_dir)
     argv = fake_argv(model_dir, ctx, slots, codec.vocab_size, eos_every)
     engines: list = []
@@ -88,10 +141,9 @@ def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: 
 
     config = ServerConfig(model_id=model_dir.name, ctx=ctx, kv_slots=slots, max_queue=max_queue,
                           queue_timeout=queue_timeout, api_key=api_key, max_body=max_body, cors_origins=cors,
-                          created=int(time.time()))
+                          created=int(time.time()), **settings)
     app = create_app(config, factory or start_engine, codec, on_fatal=on_fatal)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn_server(app, config, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

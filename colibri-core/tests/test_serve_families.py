@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +28,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from serve_harness import connect, raw_request, read_at_least  # noqa: E402
 
 CTX = 256
 COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]
@@ -198,6 +202,36 @@ def test_completions_continue_a_slot_from_its_own_reply(served, model_dir):
     assert two.usage.prompt_tokens == len(second_ids)
     # The slot holds the state of the prompt and of every generated token but the last (which was never fed).
     assert two.usage.prompt_tokens_details.cached_tokens >= len(first_ids) + len(first.tokens) - 1
+
+
+def test_hang_ups_at_random_moments_leave_the_real_engine_serving(served):
+    """A hang-up's cancel (during the prefill, mid-stream, or just as the sequence ends) is confirmed by the engine
+    before its slot is reused: a slot freed early would meet a sequence still running in it (engine ``busy``)."""
+    base, _ = served
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    oai = client(base)
+    before = oai.chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0)
+    rng = random.Random(5)
+    for i in range(20):
+        body = {"model": "x", "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": CTX,
+                "temperature": 0, "stream": True}
+        sock = connect(base)
+        try:
+            sock.sendall(raw_request(base, ("/v1/chat/completions", "/v1/messages")[i % 2], body))
+            read_at_least(sock, rng.choice((0, 1, 400, 1500)))
+        finally:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while True:
+        health = httpx.get(base + "/health", timeout=5).json()
+        if health["slots_busy"] == 0 and health["queued"] == 0:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    replies = [oai.chat.completions.create(model="x", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"cache_slot": slot}) for slot in (0, 1)]
+    for reply in replies:
+        assert reply.choices[0].message.content == before.choices[0].message.content
 
 
 def test_engine_kill_is_survived(served):

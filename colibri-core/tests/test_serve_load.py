@@ -21,7 +21,7 @@ from colibri.engine import Engine
 from colibri.errors import EngineError
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, reference_text, start_server  # noqa: E402
+from serve_harness import build_tokenizer_dir, reference_text, start_server, wait_until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +40,6 @@ def rss_bytes() -> int:
     """This process's resident set (the server runs in a thread here), from /proc."""
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_32_clients_2_slots_queue_8(model_dir):

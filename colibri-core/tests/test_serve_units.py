@@ -170,3 +170,16 @@ def test_cli_helpers():
     check_bind("0.0.0.0", "key")
     with pytest.raises(UsageError, match="API key"):
         check_bind("::", None)
+
+
+@pytest.mark.parametrize("flag, value", [("--header-timeout", "0"), ("--body-timeout", "-1"),
+                                         ("--max-connections", "0"), ("--max-connections-per-client", "0")])
+def test_cli_refuses_bad_connection_limits_in_one_line(monkeypatch, flag, value):
+    from typer.testing import CliRunner
+
+    from colibri.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent", flag, value])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and flag in lines[0], result.output

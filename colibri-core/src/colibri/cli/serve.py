@@ -17,9 +17,12 @@ import typer
 from ..errors import EngineError, UsageError
 from ..server.config import (
     API_KEY_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_HOST,
     DEFAULT_KV_SLOTS,
     DEFAULT_MAX_BODY,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PORT,
     DEFAULT_QUEUE_TIMEOUT_S,
@@ -112,6 +115,19 @@ def serve_command(
         help="Allow browser requests from this origin (repeatable; CORS is off without it)."),
     max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "
                                  "e.g. 1MiB); larger ones get 413."),
+    allowed_host: list[str] | None = typer.Option(  # noqa: B008
+        None, "--allowed-host", metavar="NAME",
+        help="Also answer requests whose Host is NAME (repeatable; .example.com: and its subdomains; * = any). "
+             "IP addresses, localhost and the --host name are always allowed."),
+    header_timeout: float = typer.Option(DEFAULT_HEADER_TIMEOUT_S, "--header-timeout", help="Seconds a "
+                                         "connection has to send a request's headers; then it is closed."),
+    body_timeout: float = typer.Option(DEFAULT_BODY_TIMEOUT_S, "--body-timeout", help="Seconds a request's body "
+                                       "has to arrive after its headers; then 408."),
+    max_connections: int | None = typer.Option(None, "--max-connections", help="Open connections at once; more "
+                                                  "get 503 (default: 512, fewer if the descriptor limit is low)."),
+    max_connections_per_client: int = typer.Option(DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                                                   "--max-connections-per-client",
+                                                   help="Open connections from one client address."),
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
@@ -121,6 +137,7 @@ def serve_command(
     from ..prompt import checkpoint_sampling
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
+    from ..server.connections import uvicorn_server
 
     check_bind(host, api_key)
     if not 1 <= port <= 65535:
@@ -134,6 +151,13 @@ def serve_command(
     body_limit = parse_size(max_body)
     if body_limit < 1024:
         raise UsageError(f"--max-body {max_body}: must be at least 1 KiB")
+    for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
+        if not seconds > 0:
+            raise UsageError(f"{name} {seconds:g}: must be a positive number of seconds")
+    if max_connections is not None and max_connections < 1:
+        raise UsageError(f"--max-connections {max_connections}: must be at least 1")
+    if max_connections_per_client < 1:
+        raise UsageError(f"--max-connections-per-client {max_connections_per_client}: must be at least 1")
     level = log_level.lower()
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
@@ -145,13 +169,14 @@ def serve_command(
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)
 
-    import uvicorn
-
     fatal: list[str] = []
     config = ServerConfig(model_id=resolved.path.name, ctx=spec.ctx, kv_slots=kv_slots, max_queue=max_queue,
                           queue_timeout=queue_timeout, api_key=api_key or None,
                           cors_origins=tuple(cors_origin or ()), max_body=body_limit, family=resolved.family,
-                          created=int(time.time()), lossy=spec.streaming.lossy_label())
+                          created=int(time.time()), lossy=spec.streaming.lossy_label(), host=host,
+                          allowed_hosts=tuple(allowed_host or ()), header_timeout=header_timeout,
+                          body_timeout=body_timeout, max_connections=max_connections or 0,
+                          max_connections_per_client=max_connections_per_client)
 
     def on_fatal(detail: str) -> None:
         fatal.append(detail)
@@ -159,8 +184,8 @@ def serve_command(
 
     application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal,
                              default_sampling=checkpoint_sampling(resolved.path))
-    server = uvicorn.Server(uvicorn.Config(application, log_level=level, timeout_graceful_shutdown=5,
-                                           access_log=level == "debug"))
+    server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5,
+                            access_log=level == "debug")
     server_log = logging.getLogger("colibri.server")
     if not server_log.handlers:   # uvicorn configures only its own loggers; engine deaths and restarts go here
         handler = logging.StreamHandler()

@@ -3,7 +3,9 @@
 Modules, one job each: ``config`` (settings), ``app`` (routes, key gate, body limit, CORS, error envelopes),
 ``validation`` (request bodies → :class:`~.validation.GenerationSpec`), ``generation`` (one request's life:
 slot, submit, events → text), ``scheduler`` (KV slots + bounded FIFO queue), ``engine_host`` (load, watch,
-restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing and disconnects),
+restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing), ``hangup`` (noticing a
+client's disconnect), ``crosssite`` (Host, Origin and content-type rules), ``connections`` (header deadline,
+connection caps, descriptor exhaustion), ``prompt_bound`` (bytes per token, to refuse before tokenizing),
 ``metrics`` (Prometheus text), ``auth`` (API key), ``codec`` (tokenizer + chat template),
 ``openai_routes`` / ``anthropic_routes`` (the two dialects).
 """

@@ -18,6 +18,7 @@ from .generation import (
     KeepAlive,
     run_to_completion,
 )
+from .hangup import HangUpWatch
 from .sse import EventStreamResponse, event_frame
 from .validation import parse_messages
 
@@ -39,13 +40,13 @@ async def messages(request: Request):
     data = await app.state.read_json(request)
     spec = parse_messages(data, app.state.config.model_id, app.state.config.kv_slots,
                           tools_supported=app.state.tools_supported)
-    run = GenerationRun(app.state.services, spec, "messages")
+    run = GenerationRun(app.state.services, spec, "messages", HangUpWatch(request.receive).start())
     await run.start()
     mid = "msg_" + uuid.uuid4().hex[:24]
     model_id = app.state.config.model_id
     if spec.stream:
-        return EventStreamResponse(_stream(run, mid, model_id))
-    text, finished = await run_to_completion(run, request.is_disconnected)
+        return EventStreamResponse(_stream(run, mid, model_id), run.hangup)
+    text, finished = await run_to_completion(run)
     u = finished.usage
     return JSONResponse({
         "id": mid, "type": "message", "role": "assistant", "model": model_id,

@@ -1,13 +1,14 @@
 """The ASGI application: routes, the key gate, body limits, CORS, and one error envelope per dialect.
 
-Layering, outermost first: CORS (only with ``--cors-origin``; answers preflights) → the gate (API key, declared
-body size) → the router. Every route's failure is an :class:`APIError` rendered in the envelope its clients
-parse (OpenAI's, or Anthropic's on ``/v1/messages``); an unexpected exception is logged and answered with a 500
-in the same envelope, never a bare traceback.
+Layering, outermost first: CORS (only with ``--cors-origin``; answers preflights) → the gate (Host, Origin and
+content type as :mod:`.crosssite` rules them, API key, declared body size) → the router. Every route's failure is
+an :class:`APIError` rendered in the envelope its clients parse (OpenAI's, or Anthropic's on ``/v1/messages``); an
+unexpected exception is logged and answered with a 500 in the same envelope, never a bare traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,13 +19,15 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import anthropic_routes, openai_routes
 from .auth import check_key
 from .config import ServerConfig
+from .connections import install_fd_exhaustion_log
+from .crosssite import CrossSitePolicy
 from .engine_host import EngineHost, EngineLike
 from .errors import APIError, dialect_of
 from .generation import Codec, Services
@@ -40,22 +43,39 @@ def error_response(error: APIError, path: str) -> Response:
                     headers=error.headers)
 
 
-async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) past ``limit`` bytes without buffering more than that."""
+async def read_limited_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refusing (413) past ``limit`` bytes without buffering more than that, and (408) when it has not
+    all arrived within ``timeout`` seconds."""
     too_large = APIError(413, f"request body exceeds the {limit}-byte limit (--max-body)", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise APIError(400, "client disconnected while sending the body", code="client_disconnected") from None
+    async for message in _body_messages(request.receive, timeout):
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "client disconnected while sending the body", code="client_disconnected")
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise too_large
+        chunks.append(message.get("body", b""))
     return b"".join(chunks)
+
+
+async def _body_messages(receive, timeout: float):
+    """The body's ``receive`` messages until the last one (or a disconnect), all within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        pending = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({pending}, timeout=max(0.0, deadline - loop.time()))
+        if not done:
+            pending.cancel()
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                           code="request_timeout", headers={"Connection": "close"})
+        message = pending.result()
+        yield message
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
 
 
 def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
@@ -80,11 +100,13 @@ def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
 
 
 class Gate:
-    """ASGI middleware: the API key on every route but /health, and an early 413 on a declared oversize body."""
+    """ASGI middleware: the cross-site rules, the API key on every route but /health, and an early 413 on a
+    declared oversize body."""
 
     def __init__(self, app, config: ServerConfig):
         self.app = app
         self.config = config
+        self.policy = CrossSitePolicy(config.host, config.allowed_hosts, config.cors_origins)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -93,13 +115,14 @@ class Gate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
         try:
+            self.policy.check(scope["method"], path, headers)
             check_key(self.config.api_key, headers, path)
             declared = headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self.config.max_body:
                 raise APIError(413, f"request body exceeds the {self.config.max_body}-byte limit (--max-body)",
                                code="request_too_large")
         except APIError as error:
-            await _drain(receive, self.config.max_body)
+            await _drain(receive, self.config.max_body, self.config.body_timeout)
             await error_response(error, path)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -126,17 +149,17 @@ class LossyLabel:
         await self.app(scope, receive, labelled)
 
 
-async def _drain(receive, limit: int) -> None:
+async def _drain(receive, limit: int, timeout: float) -> None:
     """Read (and drop) a bounded part of the body first: closing on unread data makes the kernel send a reset,
     which can destroy the error response before the client reads it."""
     budget = max(16 * 1024 * 1024, 2 * limit)
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        budget -= len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
+    try:
+        async for message in _body_messages(receive, timeout):
+            budget -= len(message.get("body", b""))
+            if budget <= 0:
+                return
+    except APIError:   # too slow: answer anyway
+        return
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], codec: Codec,
@@ -169,7 +192,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     async def read_json(request: Request) -> dict:
-        return parse_json_body(await read_limited_body(request, config.max_body))
+        return parse_json_body(await read_limited_body(request, config.max_body, config.body_timeout))
 
     routes = [
         Route("/health", _endpoint("health", health), methods=["GET"]),
@@ -194,6 +217,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        install_fd_exhaustion_log(asyncio.get_running_loop())
         host.start()
         try:
             yield

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..tokenizer import TextTokenizer, load_tokenizer_dir
+from .prompt_bound import PromptBound, prompt_bound
 
 
 class TokenizerCodec:
@@ -21,19 +22,28 @@ class TokenizerCodec:
         self.tokenizer = tokenizer
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.vocab_size = tokenizer.vocab_size
+        self.bound: PromptBound = prompt_bound(tokenizer.backend)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, config: Mapping[str, Any] | None = None) -> TokenizerCodec:
         return cls(load_tokenizer_dir(model_dir, config))
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a conversation (its special tokens spelled out), ready for the assistant's turn."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template, so chat requests cannot be rendered",
                               "use /v1/completions with a plain prompt")
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.tokenizer.render_chat(messages, add_generation_prompt=True)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        # as encode_chat: the rendered text already holds its special tokens
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def text_ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.encode(text, add_special_tokens=True)
 
     def decode(self, ids: Sequence[int]) -> str:
         # as coli run streams: special tokens (end-of-turn markers and the like) are not text

@@ -10,6 +10,9 @@ DEFAULT_KV_SLOTS = 1
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
 API_KEY_ENV = "COLI_API_KEY"
 
 
@@ -26,3 +29,9 @@ class ServerConfig:
     family: str = ""
     created: int = 0                       # unix time the server started (the model's "created")
     lossy: str = ""                        # opt-in lossy routing ("experts-k=4"), labelled on every response
+    host: str = DEFAULT_HOST               # the bound address (a name there is a Host the server answers to)
+    allowed_hosts: tuple[str, ...] = ()    # more Host names to answer to (--allowed-host; "*" = any)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S    # a request's headers must be in within this
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S        # and its body within this after them
+    max_connections: int = 0               # open connections at once; 0 = 512, or fewer if descriptors are few
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT   # from one client address

@@ -7,8 +7,12 @@ The route layers (OpenAI, Anthropic) only format what this yields. The order of 
    response is committed, so a client always gets a clean status code for it.
 2. ``async for item in run.stream()`` — :class:`Delta` text, :class:`KeepAlive` during long prefills, and one
    final :class:`Finished` (or :class:`Failed` if the engine died mid-way).
-3. ``run.abort()`` in a ``finally`` — if the client left early, cancel the sequence in the engine. The slot is
+3. ``run.close()`` in a ``finally`` — if the client left early, cancel the sequence in the engine. The slot is
    released by the pump thread only when the engine confirms (its ``done``), or dies.
+
+A hang-up is certain to cancel: the run registers its cancel with the request's :class:`~.hangup.HangUpWatch`,
+which calls it the moment ``http.disconnect`` arrives, whatever the run is awaiting. A client that leaves while
+queued, while its prompt is tokenized or while the engine loads is dropped before it reaches the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,23 +32,30 @@ from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
 from .engine_host import EngineHost
 from .errors import APIError, bad_request
+from .hangup import HangUpWatch
 from .metrics import Metrics
+from .prompt_bound import PromptBound
 from .scheduler import Lease, SlotScheduler
 from .textgen import StopMatcher
 from .validation import GenerationSpec
 
 KEEPALIVE_S = 10.0
-DISCONNECT_POLL_S = 0.5
+
+
+def hung_up_error() -> APIError:
+    # nobody reads this answer; the status only labels the request in the access log and the metrics
+    return APIError(499, "client closed the connection", code="client_disconnected")
 
 
 class Codec(Protocol):
     """Tokenizer and chat template of the served model (the same code ``coli chat`` renders with)."""
 
     stop_ids: Sequence[int]
+    bound: PromptBound
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
-    def text_ids(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -121,11 +132,13 @@ def conversation_key(spec: GenerationSpec) -> str | None:
 
 
 class GenerationRun:
-    def __init__(self, services: Services, spec: GenerationSpec, route: str):
+    def __init__(self, services: Services, spec: GenerationSpec, route: str, hangup: HangUpWatch):
         self.s = services
         self.spec = spec
         self.route = route
+        self.hangup = hangup
         self.prompt_ids: list[int] = []
+        self._text = ""                       # the prompt text, between measure() and prepare()
         self.max_tokens = 0
         self.accept: dict[str, Any] = {}
         self._lease: Lease | None = None
@@ -134,44 +147,83 @@ class GenerationRun:
         self._events: asyncio.Queue = asyncio.Queue()
         self._finished = False
         self._aborted = False
+        self._closed = False
+        self._next: asyncio.Future | None = None   # the pending read of the next engine event
         self._started_at = time.monotonic()
 
     # ---- before commit ---------------------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Tokenize and size the request; raises 400 when the prompt alone does not fit the context."""
+    def measure(self) -> None:
+        """Before queueing: render the prompt text and refuse, by its length alone, one that cannot fit the context.
+
+        Nothing is tokenized here (that costs far more memory than the text), so a huge prompt costs its bytes."""
         spec, codec = self.spec, self.s.codec
+        if spec.prompt_ids is not None:
+            if len(spec.prompt_ids) >= self.s.ctx:
+                raise self._too_long(f"{len(spec.prompt_ids)} tokens")
+            return
         try:
-            if spec.prompt_ids is not None:
-                self.prompt_ids = list(spec.prompt_ids)
-            elif spec.prompt_text is not None:
-                self.prompt_ids = codec.text_ids(spec.prompt_text)
-            else:
-                self.prompt_ids = codec.chat_ids(spec.messages or [])
+            self._text = spec.prompt_text if spec.prompt_text is not None else codec.render_chat(spec.messages or [])
         except ColibriError as exc:   # e.g. the template refuses the roles' order, or there is no template
-            raise bad_request(exc.one_line(), param="messages" if spec.messages else "prompt",
-                              code="invalid_prompt") from None
+            raise bad_request(exc.one_line(), param=self._prompt_param(), code="invalid_prompt") from None
+        size = len(self._text.encode("utf-8"))
+        at_least = codec.bound.min_tokens(size)
+        if at_least >= self.s.ctx:
+            raise self._too_long(f"{size} bytes, so at least {at_least} tokens (no token of this model covers more "
+                                 f"than {codec.bound.bytes_per_token} bytes)")
+
+    def prepare(self) -> None:
+        """Under admission (a slot is held): tokenize and size the request; 400 when the prompt leaves no room."""
+        spec, codec = self.spec, self.s.codec
+        if spec.prompt_ids is not None:
+            self.prompt_ids = list(spec.prompt_ids)
+        else:
+            # a completion's text gets the tokenizer's own BOS and the like; a rendered chat already holds its own
+            self.prompt_ids = codec.encode(self._text, add_special_tokens=spec.prompt_text is not None)
+            self._text = ""
         vocab = getattr(codec, "vocab_size", 0)
         if vocab and any(t >= vocab for t in self.prompt_ids):
             raise bad_request(f"'prompt' holds a token id past the vocabulary ({vocab})", param="prompt",
                               code="invalid_value")
         if not self.prompt_ids:
-            raise bad_request("the prompt is empty after tokenization", param="messages" if spec.messages else
-                              "prompt")
+            raise bad_request("the prompt is empty after tokenization", param=self._prompt_param())
         room = self.s.ctx - len(self.prompt_ids)
         if room < 1:
-            raise APIError(400, f"the prompt is {len(self.prompt_ids)} tokens; this server's context is "
-                                f"{self.s.ctx} tokens (prompt plus completion), so there is no room to generate. "
-                                f"Shorten the messages", param="messages" if spec.messages else "prompt",
-                           code="context_length_exceeded")
+            raise self._too_long(f"{len(self.prompt_ids)} tokens")
         # Over-large limits are clamped to what fits, never refused (a client's "max" is a ceiling, not a demand).
         self.max_tokens = room if spec.max_tokens is None else min(spec.max_tokens, room)
 
+    def _prompt_param(self) -> str:
+        return "messages" if self.spec.messages else "prompt"
+
+    def _too_long(self, size: str) -> APIError:
+        return APIError(400, f"the prompt is {size}; this server's context is {self.s.ctx} tokens (prompt plus "
+                             f"completion), so there is no room to generate. Shorten the messages",
+                        param=self._prompt_param(), code="context_length_exceeded")
+
     async def start(self) -> None:
-        await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
-        self._lease = await self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot)
+        self.hangup.on_hang_up(self.abort)   # from here on a hang-up cancels whatever is running
         try:
-            self._engine = await self.s.host.engine(self.s.queue_timeout)
+            await self._start()
+        except BaseException:
+            self.hangup.stop()
+            raise
+
+    async def _start(self) -> None:
+        await asyncio.to_thread(self.measure)   # rendering a large prompt must not stall other streams
+        if self.hangup.hung_up:
+            raise self._gone_before_submit()
+        self._lease = await self._unless_hung_up(
+            self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot), undo=Lease.release)
+        try:
+            # Tokenized under admission: at most one prompt per slot is in the tokenizer at any time. The thread
+            # cannot be interrupted, so a hang-up meanwhile is acted on once it returns.
+            await asyncio.to_thread(self.prepare)
+            if self.hangup.hung_up:
+                raise self._gone_before_submit()
+            self._engine = await self._unless_hung_up(self.s.host.engine(self.s.queue_timeout))
+            if self.hangup.hung_up:    # no await from here to the submit: a later hang-up finds the request
+                raise self._gone_before_submit()
             try:
                 self._request = self._engine.submit(
                     self.prompt_ids, slot=self._lease.slot, max_tokens=self.max_tokens, **self.sampling(),
@@ -193,9 +245,34 @@ class GenerationRun:
             raise
         if first[0] == "event" and first[1].get("ev") == "accept":
             self.accept = first[1]
+            if self.hangup.hung_up:   # the cancel is on its way; the pump frees the slot at the engine's done
+                self.close()
+                raise hung_up_error()
             return
         self._finished = True
         raise self._refusal(first)
+
+    async def _unless_hung_up(self, awaitable: Awaitable[Any], undo: Callable[[Any], None] | None = None) -> Any:
+        """Await ``awaitable`` unless the client hangs up first; then cancel it, undo what it obtained anyway
+        (a slot granted at the very moment of the cancel), and refuse with 499."""
+        task = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self.hangup.wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _cancel_and_undo(task, undo)
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        await _cancel_and_undo(task, undo)
+        raise self._gone_before_submit()
+
+    def _gone_before_submit(self) -> APIError:
+        self._finished = self._closed = True
+        self.s.metrics.rejected("client_disconnected")
+        return hung_up_error()
 
     def sampling(self) -> dict[str, Any]:
         """The request's sampling, with what it leaves out taken from the checkpoint (as ``coli run`` does)."""
@@ -230,7 +307,7 @@ class GenerationRun:
             code = payload.code
             if code == "context_exceeded":
                 return APIError(400, f"the prompt does not fit the context: {payload.message}",
-                                param="messages" if self.spec.messages else "prompt", code="context_length_exceeded")
+                                param=self._prompt_param(), code="context_length_exceeded")
             if code == "bad_request":
                 return APIError(400, payload.message, code="invalid_request")
             if code == "busy":
@@ -251,11 +328,11 @@ class GenerationRun:
         generated = 0
         reused = int(self.accept.get("reused_tokens", 0) or 0)
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(self._events.get(), timeout=KEEPALIVE_S)
-            except asyncio.TimeoutError:
+            item = await self._next_event(KEEPALIVE_S)
+            if item is None:
                 yield KeepAlive()
                 continue
+            kind, payload = item
             if kind != "event":
                 self._finished = True
                 error = self._refusal((kind, payload))
@@ -295,6 +372,17 @@ class GenerationRun:
                     yield Finished(reason, None, usage, payload)
                 return
 
+    async def _next_event(self, timeout: float) -> tuple[str, Any] | None:
+        """The next engine event, or None after ``timeout`` s of silence. The read survives a timeout (no event
+        is lost), and a cancellation of the caller always propagates (unlike ``wait_for`` on Python 3.11)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._events.get())
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            return None
+        read, self._next = self._next, None
+        return read.result()
+
     def abort(self) -> None:
         """Cancel the sequence in the engine if it is still running (client gone, stop sequence seen)."""
         if self._request is not None and not self._aborted and not self._request.finished:
@@ -305,14 +393,29 @@ class GenerationRun:
                 pass
 
     def close(self) -> None:
-        """Called when the consumer is finished for any reason."""
+        """Called (once or more) when the consumer is finished for any reason."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hangup.stop()
+        if self._next is not None:
+            self._next.cancel()
         if not self._finished:
             self.s.metrics.request_failed("client_disconnected")
             self.abort()
 
 
-async def run_to_completion(run: GenerationRun, disconnected: Callable[[], Any]) -> tuple[str, Finished]:
-    """Collect a whole completion (non-streaming), cancelling it if the client hangs up meanwhile."""
+async def _cancel_and_undo(task: asyncio.Future, undo: Callable[[Any], None] | None) -> None:
+    task.cancel()
+    await asyncio.wait({task})
+    if task.cancelled():
+        return
+    if task.exception() is None and undo is not None:
+        undo(task.result())
+
+
+async def run_to_completion(run: GenerationRun) -> tuple[str, Finished]:
+    """Collect a whole completion (non-streaming); a hang-up meanwhile has already cancelled it in the engine."""
     pieces: list[str] = []
 
     async def consume() -> Finished | Failed:
@@ -324,14 +427,17 @@ async def run_to_completion(run: GenerationRun, disconnected: Callable[[], Any])
         raise AssertionError("stream ended without a final item")
 
     task = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(run.hangup.wait())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await disconnected():
-                task.cancel()
-                raise APIError(499, "client closed the connection", code="client_disconnected")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise hung_up_error()
         result = task.result()
     finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
         run.close()
     if isinstance(result, Failed):
         raise result.error

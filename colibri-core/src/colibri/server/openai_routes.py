@@ -20,6 +20,7 @@ from .generation import (
     Usage,
     run_to_completion,
 )
+from .hangup import HangUpWatch
 from .sse import DONE, KEEPALIVE_COMMENT, EventStreamResponse, data_frame
 from .validation import GenerationSpec, parse_chat, parse_completion
 
@@ -65,13 +66,13 @@ async def completions(request: Request):
 async def _generate(request: Request, spec: GenerationSpec, chat: bool):
     services = request.app.state.services
     model_id = request.app.state.config.model_id
-    run = GenerationRun(services, spec, "chat" if chat else "completions")
+    run = GenerationRun(services, spec, "chat" if chat else "completions", HangUpWatch(request.receive).start())
     await run.start()   # refusals before this point are plain JSON errors with their status code
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if spec.stream:
-        return EventStreamResponse(_stream(run, spec, rid, created, model_id, chat))
-    text, finished = await run_to_completion(run, request.is_disconnected)
+        return EventStreamResponse(_stream(run, spec, rid, created, model_id, chat), run.hangup)
+    text, finished = await run_to_completion(run)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                   "finish_reason": finished.reason, "logprobs": None}

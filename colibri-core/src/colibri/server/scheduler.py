@@ -91,13 +91,14 @@ class SlotScheduler:
         waiter = _Waiter(key, pinned, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         try:
-            slot, reused = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=self.queue_timeout)
-        except asyncio.TimeoutError:
-            if self._withdraw(waiter):
+            # asyncio.wait, not wait_for: a cancellation of this wait always propagates (wait_for on Python 3.11
+            # can return a result instead when the grant and the cancel meet)
+            await asyncio.wait({waiter.future}, timeout=self.queue_timeout)
+            if not waiter.future.done() and self._withdraw(waiter):
                 raise APIError(429, f"server busy: no KV slot became free within {self.queue_timeout:g} s; "
                                     f"retry later", code="queue_timeout",
-                               headers={"Retry-After": str(self.retry_after_s())}) from None
-            slot, reused = waiter.future.result()  # granted just as the wait timed out: take it
+                               headers={"Retry-After": str(self.retry_after_s())})
+            slot, reused = waiter.future.result()
         except asyncio.CancelledError:
             # the client went away while queued; hand back a slot granted in the meantime
             if not self._withdraw(waiter) and waiter.future.done() and not waiter.future.cancelled():

@@ -1,9 +1,10 @@
-"""Server-sent events: framing, and a response that notices a client hang-up even while nothing is sent.
+"""Server-sent events: framing, and a response that stops the moment its client hangs up.
 
 Starlette's ``StreamingResponse`` on ASGI 2.4 servers learns of a disconnect only when a write fails, which
-during a long prefill may be minutes away; this response listens for ``http.disconnect`` alongside the stream and
-cancels it at once, so the generation's ``finally`` cancels the sequence in the engine and the slot frees.
-A broken connection is a normal hang-up, never an error in the log.
+during a long prefill may be minutes away — and uvicorn's ``send`` after a disconnect is a silent no-op, so it
+may never learn. This response waits on the request's :class:`~.hangup.HangUpWatch` alongside the stream (the
+watch has already cancelled the sequence in the engine by then) and cancels the writer, whose ``finally`` closes
+the generation. A broken connection is a normal hang-up, never an error in the log.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+
+from .hangup import HangUpWatch
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
@@ -32,39 +35,35 @@ def event_frame(name: str, payload: dict[str, Any]) -> bytes:
 
 
 class EventStreamResponse:
-    """An ASGI response that sends ``frames`` as an SSE body and cancels it when the client disconnects."""
+    """An ASGI response that sends ``frames`` as an SSE body and cancels it when the client hangs up."""
 
-    def __init__(self, frames: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]] | None = None):
+    def __init__(self, frames: AsyncIterator[bytes], hangup: HangUpWatch,
+                 headers: list[tuple[bytes, bytes]] | None = None):
         self.frames = frames
+        self.hangup = hangup
         self.headers = SSE_HEADERS + list(headers or [])
 
     async def __call__(self, scope, receive, send) -> None:
         writer = asyncio.ensure_future(self._write(send))
-        listener = asyncio.ensure_future(self._listen(receive))
+        gone = asyncio.ensure_future(self.hangup.wait())
         try:
-            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({writer, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (writer, listener):
+            for task in (writer, gone):
                 task.cancel()
-            for task in (writer, listener):
+            for task in (writer, gone):
                 try:
                     await task
                 except (asyncio.CancelledError, OSError):
                     pass
             await _close(self.frames)
+            self.hangup.stop()
 
     async def _write(self, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         async for frame in self.frames:
             await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _listen(receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
 
 
 async def _close(frames: AsyncIterator[bytes]) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -144,10 +146,16 @@ def _range_text(low: int | None, high: int | None) -> str:
 
 
 def check_text(value: str, param: str) -> None:
-    """Refuse NUL bytes: no tokenizer maps them to anything a user meant, and C code downstream may stop at them."""
+    """Refuse NUL bytes (no tokenizer maps them to anything a user meant, and C code downstream may stop at them)
+    and lone surrogates (JSON can spell ``\\ud800``, but it is no character and has no UTF-8 to tokenize)."""
     if "\x00" in value:
         raise bad_request(f"'{param}' contains a NUL byte (\\u0000); remove it", param=param,
                           code="invalid_value")
+    lone = _SURROGATE.search(value)
+    if lone is not None:
+        raise bad_request(f"'{param}' contains a lone surrogate (\\u{ord(lone.group()):04x}) at character "
+                          f"{lone.start()}; send valid Unicode (pair the surrogates, or use the character itself)",
+                          param=param, code="invalid_value")
 
 
 def _refuse_if_set(fields: _Fields, name: str, why: str, allowed: tuple[Any, ...] = ()) -> None:
