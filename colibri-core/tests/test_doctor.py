@@ -39,8 +39,9 @@ def test_good_checkpoint_passes_every_check(olmoe_family, tiny_olmoe):
     data = json.loads(result.stdout)
     assert data["ok"] is True
     names = [c["name"] for c in data["checks"]]
-    assert names == ["config", "family", "tokenizer", "chat template", "shards", "container", "disk space", "engine",
-                     "dtypes", "tensor sizes", "offsets", "overlaps", "tensor roles"]
+    assert names == ["config", "family", "tokenizer", "chat template", "shards", "container", "config vs tensors",
+                     "disk space", "engine", "dtypes", "tensor sizes", "offsets", "overlaps", "tensor roles",
+                     "tensor shapes", "tokenizer loads", "chat template renders"]
     statuses = {c["name"]: c["status"] for c in data["checks"]}
     # The test family has no engine: that is a warning, never a failure.
     assert statuses.pop("engine") == WARN
