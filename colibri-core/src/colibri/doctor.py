@@ -280,7 +280,7 @@ def _layout_checks(model: ResolvedModel, geometry, tensors: dict[str, TensorInfo
         return [failed]
     if layout is None:
         return [Check("tensor roles", WARN, f"family {model.family} gives no tensor layout")]
-    return layout_checks(layout, tensors, geometry, model.path / "config.json")
+    return layout_checks(layout, tensors, geometry, model.path)
 
 
 def failures(checks: list[Check]) -> list[Check]:

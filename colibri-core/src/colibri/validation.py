@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import configs
@@ -52,15 +53,12 @@ def summarise(name: str, problems: list[str], ok_detail: str) -> Check:
     return Check(name, FAIL, shown + more, tuple(problems))
 
 
-def require(checks: Iterable[Check], where: object = None) -> None:
-    """Raise a one-line :class:`CheckpointError` for the first failed check (``where`` prefixes a problem that
-    does not name its file, e.g. a missing tensor)."""
+def require(checks: Iterable[Check]) -> None:
+    """Raise a one-line :class:`CheckpointError` for the first failed check (every problem names its file)."""
     for check in checks:
         if check.status != FAIL:
             continue
         problem = check.problems[0] if check.problems else check.detail
-        if where is not None and not problem.startswith(str(where)):
-            problem = f"{where}: {problem}"
         more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
         raise CheckpointError(f"{check.name}: {problem}{more}",
                               "restore or re-download the files named; coli doctor --deep lists every problem")
@@ -142,13 +140,15 @@ def check_counts(model: ResolvedModel, geometry: Geometry, names: Collection[str
 
 # ---------------------------------------------------------------------------------------------- layout
 
-def check_roles(layout: TensorLayout, names: Collection[str], geometry: Geometry) -> Check:
-    """Every tensor the family's layout names is on disk: embedding, norms, routers, each expert, lm_head."""
+def check_roles(layout: TensorLayout, names: Collection[str], geometry: Geometry, where: object = None) -> Check:
+    """Every tensor the family's layout names is on disk: embedding, norms, routers, each expert, lm_head.
+    ``where`` (the checkpoint directory) prefixes each problem."""
     problems: list[str] = []
+    at = f"{where}: " if where is not None else ""
 
     def need(role: str, name: str) -> None:
         if name not in names:
-            problems.append(f"{role}: tensor {name!r} is missing")
+            problems.append(f"{at}{role}: tensor {name!r} is missing")
 
     for name in layout.embeddings:
         need("embedding", name)
@@ -161,7 +161,7 @@ def check_roles(layout: TensorLayout, names: Collection[str], geometry: Geometry
     for ex in layout.experts:
         missing = [n for n in ex.tensors if n not in names]
         if missing:
-            problems.append(f"layer {ex.layer} expert {ex.expert}: tensor {missing[0]!r} is missing"
+            problems.append(f"{at}layer {ex.layer} expert {ex.expert}: tensor {missing[0]!r} is missing"
                             + (f" (and {len(missing) - 1} more of that expert)" if len(missing) > 1 else ""))
     for name in layout.required:
         need("required", name)
@@ -171,7 +171,7 @@ def check_roles(layout: TensorLayout, names: Collection[str], geometry: Geometry
     if geometry.num_experts:
         for layer, count in sorted(per_layer.items()):
             if count != geometry.num_experts:
-                problems.append(f"layer {layer}: the layout names {count} experts but the config says "
+                problems.append(f"{at}layer {layer}: the layout names {count} experts but the config says "
                                 f"{geometry.num_experts}")
     tied = "tied" if layout.lm_head is None else "untied"
     ok = (f"embedding, {len(layout.norms)} norms, {len(layout.routers)} routers, {len(layout.experts)} experts "
@@ -209,8 +209,8 @@ def check_shapes(layout: TensorLayout, tensors: Any, config_file: object = "conf
     return summarise("tensor shapes", problems, f"{checked} tensors have the shapes config.json implies")
 
 
-def layout_checks(layout: TensorLayout, tensors: Any, geometry: Geometry, config_file: object) -> list[Check]:
-    return [check_roles(layout, tensors, geometry), check_shapes(layout, tensors, config_file)]
+def layout_checks(layout: TensorLayout, tensors: Any, geometry: Geometry, model_dir: Path) -> list[Check]:
+    return [check_roles(layout, tensors, geometry, model_dir), check_shapes(layout, tensors, model_dir / "config.json")]
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -258,4 +258,4 @@ def require_sound_tensors(model: ResolvedModel, geometry: Geometry, layout: Tens
                           tensors: Mapping[str, TensorInfo] | Any) -> None:
     """The launch path's gate: the family's layout is on disk with the shapes the config implies."""
     if layout is not None:
-        require(layout_checks(layout, tensors, geometry, model.path / "config.json"), where=model.path)
+        require(layout_checks(layout, tensors, geometry, model.path))
