@@ -219,3 +219,55 @@ def test_hostile_checkpoint_is_refused_in_one_line(outcomes, case_id, command, f
     if command == "convert":
         out = root / case_id / "out-convert"
         assert not out.exists() or not any(out.iterdir()), f"convert wrote into {out}"
+
+
+# ---------------------------------------------------------------------------------------------- config fuzzing
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OLMOE_FIELDS = ("num_hidden_layers", "num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size",
+                "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                "rms_norm_eps", "tie_word_embeddings", "norm_topk_prob", "clip_qkv", "rope_theta")
+field_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**40), st.sampled_from([1e9, 1e5, 0.5, "x", []]),
+                         st.floats(allow_nan=True, allow_infinity=True), st.integers(0, 2048))
+
+
+@pytest.fixture(scope="module")
+def olmoe_source(tmp_path_factory):
+    return tiny_model("olmoe", tmp_path_factory.mktemp("fuzz-config"), seed=5).path
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(fields=st.dictionaries(st.sampled_from(OLMOE_FIELDS), field_values, min_size=1, max_size=4))
+def test_fuzz_config_fields_through_the_olmoe_readers(olmoe_source, tmp_path_factory, monkeypatch, fields):
+    """Whatever the size-like fields say, info's, run's and the engine arguments' readers refuse in one line or
+    accept a config the tensors agree with; the layout they build stays the size of what is on disk."""
+    from colibri import plugins
+    from colibri.errors import ColibriError
+    from colibri.inventory import load_facts
+    from colibri.model import resolve_model
+    from colibri.validation import require_sound_tensors
+    from colibri_olmoe.plugin import engine_hparams
+
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "olmoe")
+    plugins.reset()
+    directory = tmp_path_factory.mktemp("case")
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        os.symlink(olmoe_source / name, directory / name)
+    config = {**json.loads((olmoe_source / "config.json").read_text()), **fields}
+    (directory / "config.json").write_text(json.dumps(config))
+    try:
+        model = resolve_model(directory)
+        facts = load_facts(model)
+        require_sound_tensors(model, facts.geometry, facts.layout, facts.tensors)
+        engine_hparams(model)
+    except ColibriError as exc:
+        assert "config.json" in exc.message or "model.safetensors" in exc.message, exc.message
+        return
+    finally:
+        plugins.reset()
+    assert facts.geometry.num_layers == 2 and facts.geometry.num_experts == 16     # what the tensors say
+    assert len(facts.layout.experts) == 32

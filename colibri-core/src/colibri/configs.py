@@ -61,6 +61,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "clip_qkv": (0.0, math.inf, False),
     "factor": (0.0, math.inf, False),          # rope scaling
 }
+# Floats families read as ``float(cfg.get(name, default))``: present but null is an error, not the default.
+NON_NULL_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "routed_scaling_factor")
 BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias")
 NESTED_ROPE_FIELDS = ("rope_parameters", "rope_scaling")
 RESTORE_HINT = "restore the checkpoint's original config.json"
@@ -189,6 +191,8 @@ def _field_problems(config: Mapping[str, Any], prefix: str) -> Iterator[str]:
     for name in FLOAT_BOUNDS:
         value = config.get(name)
         problem = None if value is None else _float_problem(name, value)
+        if value is None and name in NON_NULL_FLOATS and name in config:
+            problem = f"{name!r} is null, expected a number"
         if problem:
             yield prefix + problem
     for name in BOOL_FIELDS:

@@ -141,7 +141,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     if rope.rope_type not in ENGINE_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the olmoe engine",
                           f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    eps = cfg.get("rms_norm_eps", 1e-5)
+    eps = configs.require_number(cfg, "rms_norm_eps", 1e-5, where=where)
     values: dict[str, Any] = {
         "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"],
         "num_key_value_heads": d["kv_heads"], "head_dim": d["head_dim"], "intermediate_size": d["expert_width"],
