@@ -238,10 +238,16 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     if failed:
         return checks + [failed]
     checks.append(Check("family", PASS, f"{model.family} claims model_type {model.model_type!r}"))
+    return checks + model_checks(model, deep)
 
+
+def model_checks(model: ResolvedModel, deep: bool = False) -> list[Check]:
+    """The checks of a resolved model (everything after config and family), e.g. for ``coli convert``."""
+    model_dir = model.path
+    checks: list[Check] = []
     geometry, failed = _guarded("geometry", lambda: geometry_of(model))
     if failed:
-        return checks + [failed]
+        return [failed]
 
     is_lm = geometry.vocab_size > 0
     tokenizer = check_tokenizer(model_dir, needs_tokenizer=is_lm)
@@ -265,10 +271,17 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     if deep:
         checks += file_checks(scan.headers)
         checks += _layout_checks(model, geometry, tensors, counts)
-        if is_lm and tokenizer.status == PASS:     # the tokenizer's files are there: do they load?
+        if is_lm and tokenizer.status == PASS and _loads_its_tokenizer(model):   # the files are there: do they load?
             loads, tok = check_tokenizer_loads(model, geometry.vocab_size)
             checks += [loads, check_chat_template_renders(tok)]
     return checks
+
+
+def _loads_its_tokenizer(model: ResolvedModel) -> bool:
+    """Whether the model's tokenizer is one colibri loads: the family's own ``load_tokenizer``, or core's default
+    (which reads the directory's ``tokenizer.json``)."""
+    own = any(impl.plugin_name == model.family for impl in plugins.manager().hook.load_tokenizer.get_hookimpls())
+    return own or (model.path / "tokenizer.json").is_file()
 
 
 def _layout_checks(model: ResolvedModel, geometry, tensors: dict[str, TensorInfo], counts: Check) -> list[Check]:

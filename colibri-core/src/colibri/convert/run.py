@@ -111,9 +111,9 @@ def check_options(model: ResolvedModel, experts: str, dense: str):
 
 def refuse_unsound_source(model: ResolvedModel) -> None:
     """Never write a container from a checkpoint ``coli doctor --deep`` fails: run its checks, refuse the first."""
-    from ..doctor import diagnose, failures
+    from ..doctor import failures, model_checks
 
-    failed = failures(diagnose(model.path, model.family, deep=True))
+    failed = failures(model_checks(model, deep=True))
     if failed:
         first = failed[0]
         problem = first.problems[0] if first.problems else first.detail
