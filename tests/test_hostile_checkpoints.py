@@ -1,11 +1,12 @@
-"""Corrupted and hostile checkpoints against the four checkpoint readers (``info``, ``doctor --deep``, ``run``,
-``convert``), through the CLI application the ``coli`` script runs, in a child process under an address-space
+"""Corrupted and hostile checkpoints against the checkpoint readers (``info``, ``doctor --deep``, ``run``,
+``serve``, ``convert``), through the CLI application the ``coli`` script runs, in a child process under an address-space
 limit and a time limit.
 
 Every class ends in exit 1 and ONE ``error:`` line naming the file and the field or tensor at fault: no
 traceback, no signal, no MemoryError, and ``convert`` writes nothing. ``info`` summarises what the headers say,
 so it refuses the classes that make its numbers meaningless (config fields, header entries, byte ranges) and
-leaves layout, shape and tokenizer classes to ``doctor --deep``, which ``convert`` and ``run`` obey.
+leaves layout, shape and tokenizer classes to ``doctor --deep``, which ``convert`` obeys and ``run``/``serve``
+share (a broken chat template is refused by ``run`` when it renders the prompt; ``serve`` answers it per request).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 
 ADDRESS_SPACE = 2 << 30          # the whole child (interpreter, numpy, tokenizers) runs in 2 GiB of address space
 TIMEOUT = 300                    # for every case and command together
-ALL = ("info", "doctor", "run", "convert")
-DEEP = ("doctor", "run", "convert")      # what info does not judge: roles, shapes, tokenizer, template
+ALL = ("info", "doctor", "run", "serve", "convert")
+DEEP = ("doctor", "run", "serve", "convert")     # what info does not judge: roles, shapes, tokenizer
 SHARD = "model.safetensors"
 GATE = "model.layers.0.mlp.experts.3.gate_proj.weight"
 NORM = "model.norm.weight"
@@ -171,6 +172,8 @@ def command_args(command: str, directory: Path, out: Path) -> list[str]:
     return {"info": ["info", "--model", str(directory)],
             "doctor": ["doctor", "--deep", "--model", str(directory)],
             "run": ["run", "Hello", "--model", str(directory), "--max-tokens", "2"],
+            # the engine is prepared (and refused) before the port is bound; port 1 is never reached
+            "serve": ["serve", "--model", str(directory), "--port", "1"],
             "convert": ["convert", "--model", str(directory), "--out", str(out)]}[command]
 
 
