@@ -246,6 +246,9 @@ def _write_shard(out: Path, work: Path, shard: ShardPlan, job: str, reporter: Re
                 except ScaleOverflowError as exc:
                     raise CheckpointError(f"{src}: tensor {item.source.name!r}: {exc}",
                                           "this tensor cannot be stored with F16 scales") from None
+                except OSError as exc:       # the source shrank or failed under us after it was validated
+                    raise CheckpointError(f"{src}: tensor {item.source.name!r}: cannot read ({exc})",
+                                          "the source changed or its disk failed; convert again") from None
                 if written != item.nbytes:
                     raise AssertionError(f"{item.source.name}: wrote {written} bytes, planned {item.nbytes}")
             fh.flush()
