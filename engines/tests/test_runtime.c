@@ -120,6 +120,18 @@ static char tmpdir[256];
 
 static void path_in_tmp(char *out, size_t n, const char *file) { snprintf(out, n, "%s/%s", tmpdir, file); }
 
+/* Create a shard file holding the 8-byte length and `header`; the caller appends the data and closes it. */
+static FILE *open_shard(const char *file, const char *header, size_t hl) {
+    char path[512];
+    path_in_tmp(path, sizeof path, file);
+    FILE *f = fopen(path, "wb");
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+    fwrite(len, 1, 8, f);
+    fwrite(header, 1, hl, f);
+    return f;
+}
+
 /* Write tensors to a safetensors file in the given order; returns the file's size. */
 static size_t write_shard(const char *file, const fx_tensor *t, int count) {
     char header[8192];
@@ -136,13 +148,7 @@ static size_t write_shard(const char *file, const fx_tensor *t, int count) {
     }
     hl += (size_t)snprintf(header + hl, sizeof header - hl, "}");
     while (hl % 8) header[hl++] = ' ';
-    char path[512];
-    path_in_tmp(path, sizeof path, file);
-    FILE *f = fopen(path, "wb");
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
-    fwrite(len, 1, 8, f);
-    fwrite(header, 1, hl, f);
+    FILE *f = open_shard(file, header, hl);
     for (int i = 0; i < count; i++) fwrite(t[i].data, 1, t[i].nbytes, f);
     fclose(f);
     return 8 + hl + off;
@@ -150,14 +156,7 @@ static size_t write_shard(const char *file, const fx_tensor *t, int count) {
 
 /* A shard with a hand-written header (offsets exactly as given) and `data_len` zero bytes of data. */
 static void write_raw_shard(const char *file, const char *header, size_t data_len) {
-    size_t hl = strlen(header);
-    char path[512];
-    path_in_tmp(path, sizeof path, file);
-    FILE *f = fopen(path, "wb");
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
-    fwrite(len, 1, 8, f);
-    fwrite(header, 1, hl, f);
+    FILE *f = open_shard(file, header, strlen(header));
     for (size_t i = 0; i < data_len; i++) fputc(0, f);
     fclose(f);
 }

@@ -42,7 +42,8 @@ def read_config(model_dir: Path) -> Mapping[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply", "restore config.json from the original checkpoint") from None
+        raise ConfigError(f"{path}: JSON nested too deeply",
+                          "restore config.json from the original checkpoint") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})", "check the file's permissions") from None
     except UnicodeDecodeError:
