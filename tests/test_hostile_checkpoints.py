@@ -274,3 +274,26 @@ def test_fuzz_config_fields_through_the_olmoe_readers(olmoe_source, tmp_path_fac
         plugins.reset()
     assert facts.geometry.num_layers == 2 and facts.geometry.num_experts == 16     # what the tensors say
     assert len(facts.layout.experts) == 32
+
+
+@pytest.mark.parametrize("kind, family", [("qwen3_moe", "qwen"), ("deepseek_v3", "deepseek-v4")])
+def test_transposed_expert_of_a_family_stating_no_shapes(kind, family, tmp_path_factory, monkeypatch):
+    """A family whose layout states no expert shapes still gets a lone transposed expert matrix refused: each
+    expert is held to the shape of the other experts of its layer (doctor --deep, and so convert)."""
+    from colibri import plugins
+    from colibri.doctor import FAIL, diagnose
+
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", family)
+    plugins.reset()
+    root = tmp_path_factory.mktemp(f"transposed-{kind}")
+    directory = root / "model"
+    shutil.copytree(tiny_model(kind, root / "tiny", seed=1).path, directory)
+    header, data = split_shard(directory)
+    victim = next(n for n in sorted(header) if ".experts.2." in n and n.endswith("down_proj.weight"))
+    header[victim]["shape"] = header[victim]["shape"][::-1]
+    write_shard(directory, json.dumps(header).encode(), data)
+    try:
+        shapes = {c.name: c for c in diagnose(directory, deep=True)}["tensor shapes"]
+    finally:
+        plugins.reset()
+    assert shapes.status == FAIL and victim in shapes.detail and "transposed" in shapes.detail, shapes

@@ -179,33 +179,50 @@ def check_roles(layout: TensorLayout, names: Collection[str], geometry: Geometry
     return summarise("tensor roles", problems, ok)
 
 
-def _expected_shapes(layout: TensorLayout) -> Iterable[tuple[str, tuple[int, ...]]]:
-    yield from layout.shapes.items()
+def _expected_shapes(layout: TensorLayout, tensors: Any) -> Iterable[tuple[str, tuple[int, ...], str]]:
+    """(name, expected shape, where the expectation comes from) for every tensor whose shape is known."""
+    for name, shape in layout.shapes.items():
+        yield name, tuple(shape), "config"
     if layout.expert_shapes:
         for ex in layout.experts:
-            yield from zip(ex.tensors, layout.expert_shapes)
+            for name, shape in zip(ex.tensors, layout.expert_shapes):
+                yield name, tuple(shape), "config"
+        return
+    # The family states no expert shapes: the experts of one layer are alike in every real family, so each is
+    # held to the shape most of its layer's experts have at that position (a lone transposed matrix stands out).
+    by_slot: dict[tuple[int, int], Counter] = {}
+    for ex in layout.experts:
+        for i, name in enumerate(ex.tensors):
+            if name in tensors:
+                by_slot.setdefault((ex.layer, i), Counter())[tuple(tensors[name].shape)] += 1
+    for ex in layout.experts:
+        for i, name in enumerate(ex.tensors):
+            counts = by_slot.get((ex.layer, i))
+            if counts is not None and len(counts) > 1:
+                yield name, counts.most_common(1)[0][0], "siblings"
 
 
 def check_shapes(layout: TensorLayout, tensors: Any, config_file: object = "config.json") -> Check:
     """Each tensor's shape on disk against the one the family derives from the config (``TensorLayout.shapes``
-    and ``expert_shapes``). ``tensors`` maps names to :class:`TensorInfo` (a TensorIndex or a dict); a missing
-    tensor is the role check's business."""
+    and ``expert_shapes``), or, for experts whose shapes the family does not state, against the other experts of
+    its layer. ``tensors`` maps names to :class:`TensorInfo` (a TensorIndex or a dict); a missing tensor is the
+    role check's business."""
     problems = []
     checked = 0
-    for name, want in _expected_shapes(layout):
+    for name, want, source in _expected_shapes(layout, tensors):
         if name not in tensors:
             continue
         checked += 1
         t = tensors[name]
         got = tuple(t.shape)
-        if got != tuple(want):
+        if got != want:
             why = " (transposed?)" if sorted(got) == sorted(want) else ""
-            problems.append(f"{t.file}: tensor {name!r} has shape {list(got)} but {config_file} implies "
-                            f"{list(want)}{why}")
-    if not checked and not problems:
-        return Check("tensor shapes", PASS if layout.shapes or layout.expert_shapes else WARN,
-                     "the family states no expected shapes" if not (layout.shapes or layout.expert_shapes)
-                     else "no stated tensor is on disk")
+            basis = f"{config_file} implies" if source == "config" else "the other experts of its layer have"
+            problems.append(f"{t.file}: tensor {name!r} has shape {list(got)} but {basis} {list(want)}{why}")
+    stated = bool(layout.shapes or layout.expert_shapes)
+    if not stated and not problems:     # nothing to hold the shapes to: not a fault of the checkpoint
+        return Check("tensor shapes", PASS, "the family states no expected shapes"
+                     + ("; each layer's experts agree" if layout.experts else ""))
     return summarise("tensor shapes", problems, f"{checked} tensors have the shapes config.json implies")
 
 
