@@ -18,7 +18,8 @@ nox.options.error_on_missing_interpreters = True
 # later requirement pull a multi-GB CUDA build from the index.
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables",
-                     "nox")  # nox: the layout test checks `nox -l`
+                     "nox",         # the layout test checks `nox -l`
+                     "hypothesis")  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
 RUFF_ARGS = ("--line-length", "120", "--target-version", "py310", "--select", "E,F,W,B", "--ignore", "B008,B905")
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

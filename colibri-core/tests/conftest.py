@@ -53,14 +53,25 @@ class OlmoeTestFamily:
     def tensor_layout(self, model):
         c = model.config
         layers, experts = c["num_hidden_layers"], c["num_experts"]
+        hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        heads = c["num_attention_heads"]
+        kv = c.get("num_key_value_heads", heads) * (hidden // heads)
         tied = bool(c.get("tie_word_embeddings", False))
         p = "model.layers"
         norms = ["model.norm.weight"]
         required = []
+        shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+                  "model.norm.weight": (hidden,)}
         for i in range(layers):
-            norms += [f"{p}.{i}.input_layernorm.weight", f"{p}.{i}.post_attention_layernorm.weight",
-                      f"{p}.{i}.self_attn.q_norm.weight", f"{p}.{i}.self_attn.k_norm.weight"]
-            required += [f"{p}.{i}.self_attn.{n}_proj.weight" for n in "qkvo"]
+            q = f"{p}.{i}."
+            norms += [q + "input_layernorm.weight", q + "post_attention_layernorm.weight",
+                      q + "self_attn.q_norm.weight", q + "self_attn.k_norm.weight"]
+            required += [f"{q}self_attn.{n}_proj.weight" for n in "qkvo"]
+            shapes.update({q + "input_layernorm.weight": (hidden,), q + "post_attention_layernorm.weight": (hidden,),
+                           q + "self_attn.q_norm.weight": (hidden,), q + "self_attn.k_norm.weight": (kv,),
+                           q + "self_attn.q_proj.weight": (hidden, hidden), q + "self_attn.k_proj.weight": (kv, hidden),
+                           q + "self_attn.v_proj.weight": (kv, hidden), q + "self_attn.o_proj.weight": (hidden, hidden),
+                           q + "mlp.gate.weight": (experts, hidden)})
         return TensorLayout(
             embeddings=("model.embed_tokens.weight",) + (() if tied else ("lm_head.weight",)),
             lm_head=None if tied else "lm_head.weight",
@@ -70,6 +81,8 @@ class OlmoeTestFamily:
                                                     for m in ("gate", "up", "down")))
                           for i in range(layers) for e in range(experts)),
             required=tuple(required),
+            shapes=shapes,
+            expert_shapes=((inter, hidden), (inter, hidden), (hidden, inter)),
         )
 
     @hookimpl

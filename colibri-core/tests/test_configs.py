@@ -19,7 +19,7 @@ def test_require_int_names_every_spelling():
         configs.require_int({}, "num_experts", "n_routed_experts", where="m/config.json")
     with pytest.raises(ConfigError, match="'hidden_size' is 'big'"):
         configs.require_int({"hidden_size": "big"}, "hidden_size")
-    with pytest.raises(ConfigError, match="expected an integer >= 1"):
+    with pytest.raises(ConfigError, match="expected an integer from 1 to 1048576"):
         configs.require_int({"hidden_size": 0}, "hidden_size", minimum=1)
     assert configs.require_int({"hidden_size": 64.0}, "hidden_size") == 64
     with pytest.raises(ConfigError):
@@ -84,3 +84,45 @@ def test_attention_layer_types():
 def test_layer_range_prefixes():
     assert configs.layer_range_prefixes("model.layers.", 61, 1) == ("model.layers.61.",)
     assert configs.layer_range_prefixes("model.layers.", 61, 0) == ()
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"num_hidden_layers": 1e9}, "'num_hidden_layers' is 1000000000.0, expected an integer from 0 to 16384"),
+    ({"num_experts": -1}, "'num_experts' is -1"),
+    ({"vocab_size": "512"}, "'vocab_size' is '512'"),
+    ({"hidden_size": 64.5}, "'hidden_size' is 64.5"),
+    ({"num_experts": 16, "num_experts_per_tok": 20}, "'num_experts_per_tok' is 20 but 'num_experts' is 16"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "'num_attention_heads' (6) is not a multiple"),
+    ({"n_routed_experts": 16, "n_group": 3}, "'n_group' (3) does not divide the 16 experts"),
+    ({"n_group": 4, "topk_group": 5}, "'topk_group' is 5 but there are 4 expert groups"),
+    ({"rms_norm_eps": "x"}, "'rms_norm_eps' is 'x', expected a number in (0, 1]"),
+    ({"rms_norm_eps": None}, "'rms_norm_eps' is null"),
+    ({"rope_theta": -1}, "'rope_theta' is -1"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_parameters: 'rope_theta' is 'big'"),
+    ({"tie_word_embeddings": "no"}, "'tie_word_embeddings' is 'no', expected true or false"),
+    ({"text_config": {"num_hidden_layers": 10**6}}, "text_config.'num_hidden_layers' is 1000000"),
+])
+def test_check_config_names_file_and_field(fields, fragment):
+    with pytest.raises(ConfigError) as err:
+        configs.check_config({"model_type": "x", **fields}, where="m/config.json")
+    assert err.value.message.startswith("m/config.json: ")
+    assert fragment in err.value.message, err.value.message
+
+
+def test_check_config_accepts_real_spellings():
+    configs.check_config({"num_hidden_layers": 61, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+                          "topk_group": 4, "num_attention_heads": 128, "num_key_value_heads": 128,
+                          "rms_norm_eps": 1e-6, "rope_theta": 10000, "q_lora_rank": None, "clip_qkv": None,
+                          "max_position_embeddings": 163840, "tie_word_embeddings": False,
+                          "rope_scaling": {"type": "yarn", "factor": 40}})
+
+
+def test_require_int_bounds_by_field_and_rope_refuses_strings():
+    with pytest.raises(ConfigError, match="from 1 to 16384"):
+        configs.require_int({"num_hidden_layers": 100_000}, "num_hidden_layers", minimum=1)
+    assert configs.require_int({"num_hidden_layers": 61}, "num_hidden_layers") == 61
+    with pytest.raises(ConfigError, match="'rope_theta' is 'x'"):
+        configs.rope({"rope_theta": "x"})
+    assert configs.require_number({"rms_norm_eps": 1e-6}, "rms_norm_eps", 1e-5) == 1e-6
+    with pytest.raises(ConfigError, match="'mlp_only_layers'"):
+        configs.moe_layer_indices({"num_experts": 4, "mlp_only_layers": ["a"]}, 4)

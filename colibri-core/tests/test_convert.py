@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from colibri import hookimpl, plugins
-from colibri.records import Claim, ExpertTensors, FamilyDescriptor, TensorLayout
+from colibri.records import Claim, ExpertTensors, FamilyDescriptor, Geometry, TensorLayout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,6 +37,14 @@ class TinyMoeFamily:
         if config and config.get("model_type") == TINY_TYPE:
             return Claim("tinymoe", TINY_TYPE, "test")
         return None
+
+    @hookimpl
+    def model_geometry(self, model):
+        c = model.config
+        return Geometry(model_type=TINY_TYPE, architecture="tiny MoE", attention="none",
+                        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+                        vocab_size=c.get("vocab_size", 96), num_experts=c["num_experts"], top_k=2,
+                        expert_intermediate=c["intermediate_size"], moe_layers=tuple(range(c["num_hidden_layers"])))
 
     @hookimpl
     def tensor_layout(self, model):
@@ -66,6 +74,10 @@ class NoExpertsFamily:
         if config and config.get("model_type") == "colibri_tiny_dense":
             return Claim("denseonly", "colibri_tiny_dense")
         return None
+
+    @hookimpl
+    def model_geometry(self, model):
+        return Geometry(model_type="colibri_tiny_dense", architecture="dense", attention="none", num_layers=1)
 
     @hookimpl
     def tensor_layout(self, model):
@@ -152,11 +164,23 @@ def write_tiny(path: Path, dtype="F32", shards=2, extra=True, **kw) -> Path:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     layers = kw.get("layers", 2)
     config = {"model_type": TINY_TYPE, "num_hidden_layers": layers, "num_experts": kw.get("experts", 16),
+              "vocab_size": kw.get("vocab", 96),
               "hidden_size": kw.get("hidden", 64), "intermediate_size": kw.get("inter", 128)}
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    write_word_tokenizer(path / "tokenizer.json", kw.get("vocab", 96))
     (path / "generation_config.json").write_text('{"eos_token_id": 1}')
     return path
+
+
+def write_word_tokenizer(path: Path, size: int) -> None:
+    """A real (loadable) word-level tokenizer.json of ``size`` tokens: convert refuses one doctor cannot load."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, size)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
 
 
 def _retag_u16_as_bf16(file: Path) -> None:

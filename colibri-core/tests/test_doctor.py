@@ -39,8 +39,9 @@ def test_good_checkpoint_passes_every_check(olmoe_family, tiny_olmoe):
     data = json.loads(result.stdout)
     assert data["ok"] is True
     names = [c["name"] for c in data["checks"]]
-    assert names == ["config", "family", "tokenizer", "chat template", "shards", "container", "disk space", "engine",
-                     "dtypes", "tensor sizes", "offsets", "overlaps", "tensor roles"]
+    assert names == ["config", "family", "tokenizer", "chat template", "shards", "container", "config vs tensors",
+                     "disk space", "engine", "dtypes", "tensor sizes", "offsets", "overlaps", "tensor roles",
+                     "tensor shapes", "tokenizer loads", "chat template renders"]
     statuses = {c["name"]: c["status"] for c in data["checks"]}
     # The test family has no engine: that is a warning, never a failure.
     assert statuses.pop("engine") == WARN
@@ -231,3 +232,100 @@ def test_doctor_json_is_machine_readable_on_failure(olmoe_family, olmoe_copy, de
     data = json.loads(result.stdout)
     assert data["ok"] is False
     assert {c["name"]: c["status"] for c in data["checks"]}["shards"] == FAIL
+
+
+# ------------------------------------------------------------------- the shared validation's checks, by class
+
+def _transpose_expert(surgery, model_dir):
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    surgery.rewrite_header(model_dir / "model.safetensors", lambda h: h[name].update(shape=h[name]["shape"][::-1]))
+    return name
+
+
+def _edit_config(model_dir, **fields):
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_transposed_expert_fails_the_shape_check(olmoe_family, olmoe_copy, surgery):
+    name = _transpose_expert(surgery, olmoe_copy)
+    shapes = status_of(diagnose(olmoe_copy, deep=True), "tensor shapes")
+    assert shapes.status == FAIL and name in shapes.detail and "transposed" in shapes.detail
+    assert str(olmoe_copy / "model.safetensors") in shapes.detail
+
+
+def test_config_contradicting_the_shapes_fails(olmoe_family, olmoe_copy):
+    _edit_config(olmoe_copy, intermediate_size=48)
+    shapes = status_of(diagnose(olmoe_copy, deep=True), "tensor shapes")
+    assert shapes.status == FAIL and "mlp.experts.0.gate_proj.weight" in shapes.detail and "[48, 64]" in shapes.detail
+
+
+def test_config_claiming_more_than_disk_fails_before_the_layout(olmoe_family, olmoe_copy):
+    _edit_config(olmoe_copy, num_hidden_layers=5000)
+    checks = diagnose(olmoe_copy, deep=True)
+    counts = status_of(checks, "config vs tensors")
+    assert counts.status == FAIL and "'num_hidden_layers' is 5000" in counts.detail and "2 layers" in counts.detail
+    roles = status_of(checks, "tensor roles")          # the layout was never sized from 5000 layers
+    assert roles.status == WARN and "not checked" in roles.detail
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "\x00\x01garbage"])
+def test_unloadable_tokenizer_fails(olmoe_family, olmoe_copy, content):
+    (olmoe_copy / "tokenizer.json").write_text(content)
+    assert status_of(diagnose(olmoe_copy), "tokenizer").status == PASS     # present: only --deep loads it
+    loads = status_of(diagnose(olmoe_copy, deep=True), "tokenizer loads")
+    assert loads.status == FAIL and "tokenizer.json" in loads.detail
+
+
+def test_truncated_tokenizer_fails(olmoe_family, olmoe_copy):
+    text = (olmoe_copy / "tokenizer.json").read_text()
+    (olmoe_copy / "tokenizer.json").write_text(text[: len(text) * 2 // 3])
+    assert status_of(diagnose(olmoe_copy, deep=True), "tokenizer loads").status == FAIL
+
+
+def test_tokenizer_larger_than_the_embedding_fails(olmoe_family, olmoe_copy, surgery):
+    _edit_config(olmoe_copy, vocab_size=100)
+    loads = status_of(diagnose(olmoe_copy, deep=True), "tokenizer loads")
+    assert loads.status == FAIL and "'vocab_size' is 100" in loads.detail
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("{% for m in messages %}{{ m['content'] }", "does not parse"),
+    ("{{ raise_exception('no') }}", "refused"),
+])
+def test_broken_chat_template_fails(olmoe_family, olmoe_copy, template, fragment):
+    path = olmoe_copy / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+    renders = status_of(diagnose(olmoe_copy, deep=True), "chat template renders")
+    assert renders.status == FAIL and fragment in renders.detail
+
+
+DAMAGES = {
+    "missing norm": lambda d, s: s.rewrite_header(d / "model.safetensors", lambda h: h.pop("model.norm.weight")),
+    "missing router": lambda d, s: s.rewrite_header(d / "model.safetensors",
+                                                    lambda h: h.pop("model.layers.0.mlp.gate.weight")),
+    "overlapping offsets": lambda d, s: s.rewrite_header(
+        d / "model.safetensors", lambda h: h["model.norm.weight"].update(
+            data_offsets=[h["lm_head.weight"]["data_offsets"][0], h["lm_head.weight"]["data_offsets"][0] + 256])),
+    "transposed expert": lambda d, s: _transpose_expert(s, d),
+    "config contradicts shapes": lambda d, s: _edit_config(d, hidden_size=32),
+    "config contradicts disk": lambda d, s: _edit_config(d, num_experts=900),
+    "garbage tokenizer": lambda d, s: (d / "tokenizer.json").write_text("garbage"),
+    "broken template": lambda d, s: (d / "chat_template.jinja").write_text("{% if %}"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_convert_refuses_what_doctor_deep_fails(olmoe_family, olmoe_copy, surgery, tmp_path, damage):
+    from colibri.convert.run import convert
+    from colibri.errors import CheckpointError
+    from colibri.model import resolve_model
+
+    DAMAGES[damage](olmoe_copy, surgery)
+    failed = [c for c in diagnose(olmoe_copy, deep=True) if c.status == FAIL]
+    assert failed, f"{damage}: doctor --deep should fail"
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as err:
+        convert(resolve_model(olmoe_copy), out)
+    assert f"not converted: {failed[0].name}" in err.value.message
+    assert not out.exists()

@@ -75,3 +75,38 @@ def test_bad_index(tmp_path):
     index.write_text('{"weight_map": {"x": 3}}')
     with pytest.raises(CheckpointError, match="weight_map"):
         read_index(index)
+
+
+@pytest.mark.parametrize("header, fragment", [
+    (b'{"t": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply"),
+    (b'{"__metadata__": [1, 2]}', "'__metadata__' is not an object of strings"),
+    (b'{"__metadata__": {"k": 3}}', "'__metadata__' is not an object of strings"),
+    (b'{"t": 7}', "not an object"),
+    (b'{"t": {"dtype": 3, "shape": [1], "data_offsets": [0, 4]}}', "no dtype string"),
+    (b'{"t": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}', "'shape' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}', "'shape' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}', "'shape' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1099511627777], "data_offsets": [0, 4]}}', "'shape' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1,1,1,1,1,1,1,1,1], "data_offsets": [0, 4]}}', "'shape' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}', "'data_offsets' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}', "'data_offsets' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1180591620717411303424]}}', "'data_offsets' must be"),
+    (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}', "before its begin"),
+])
+def test_malformed_entries_name_file_and_tensor(tmp_path, header, fragment):
+    path = tmp_path / "bad.safetensors"
+    write_raw(path, header, b"\0" * 8)
+    with pytest.raises(CheckpointError) as err:
+        read_header(path)
+    assert fragment in err.value.message and str(path) in err.value.message
+    assert "'t'" in err.value.message or "__metadata__" in err.value.message or "nested" in err.value.message
+
+
+def test_index_names_only_files_of_its_directory(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"x": "../elsewhere.safetensors"}}')
+    with pytest.raises(CheckpointError, match="not a shard file name"):
+        read_index(index)
+    index.write_text("[" * 50_000 + "]" * 50_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        read_index(index)

@@ -120,6 +120,18 @@ static char tmpdir[256];
 
 static void path_in_tmp(char *out, size_t n, const char *file) { snprintf(out, n, "%s/%s", tmpdir, file); }
 
+/* Create a shard file holding the 8-byte length and `header`; the caller appends the data and closes it. */
+static FILE *open_shard(const char *file, const char *header, size_t hl) {
+    char path[512];
+    path_in_tmp(path, sizeof path, file);
+    FILE *f = fopen(path, "wb");
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+    fwrite(len, 1, 8, f);
+    fwrite(header, 1, hl, f);
+    return f;
+}
+
 /* Write tensors to a safetensors file in the given order; returns the file's size. */
 static size_t write_shard(const char *file, const fx_tensor *t, int count) {
     char header[8192];
@@ -136,16 +148,17 @@ static size_t write_shard(const char *file, const fx_tensor *t, int count) {
     }
     hl += (size_t)snprintf(header + hl, sizeof header - hl, "}");
     while (hl % 8) header[hl++] = ' ';
-    char path[512];
-    path_in_tmp(path, sizeof path, file);
-    FILE *f = fopen(path, "wb");
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
-    fwrite(len, 1, 8, f);
-    fwrite(header, 1, hl, f);
+    FILE *f = open_shard(file, header, hl);
     for (int i = 0; i < count; i++) fwrite(t[i].data, 1, t[i].nbytes, f);
     fclose(f);
     return 8 + hl + off;
+}
+
+/* A shard with a hand-written header (offsets exactly as given) and `data_len` zero bytes of data. */
+static void write_raw_shard(const char *file, const char *header, size_t data_len) {
+    FILE *f = open_shard(file, header, strlen(header));
+    for (size_t i = 0; i < data_len; i++) fputc(0, f);
+    fclose(f);
 }
 
 static void clear_tmp(void) {
@@ -190,6 +203,27 @@ static void test_safetensors(void) {
     fx_tensor wrong[] = {{"a", "F32", 2, {2, 2}, a, sizeof a}};
     write_shard("model.safetensors", wrong, 1);
     CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "x shape needs 16"), "%s", err);
+
+    /* Overlapping byte ranges, a non-object __metadata__ or entry, and huge offsets are errors naming the file. */
+    clear_tmp();
+    write_raw_shard("model.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                    "\"y\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}", 16);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, path) && strstr(err, "overlaps"), "%s", err);
+    write_raw_shard("model.safetensors", "{\"__metadata__\":[1],\"x\":{\"dtype\":\"F32\",\"shape\":[1],"
+                    "\"data_offsets\":[0,4]}}", 4);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "__metadata__"), "%s", err);
+    write_raw_shard("model.safetensors", "{\"x\":7}", 0);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "not an object"), "%s", err);
+    write_raw_shard("model.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],"
+                    "\"data_offsets\":[1180591620717411303424,1180591620717411303428]}}", 4);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, path), "%s", err);
+    write_raw_shard("model.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],"
+                    "\"data_offsets\":[9223372036854775800,9223372036854775804]}}", 4);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) != 0 && strstr(err, "outside the data section"), "%s", err);
+    write_raw_shard("model.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},"
+                    "\"y\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4);
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "an empty tensor overlaps nothing: %s", err);
+    cb_st_close(&idx);
 
     /* Random header corruption never crashes: it either still validates or names the file. */
     size = write_shard("model.safetensors", ts, 3);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ DTYPE_BYTES: dict[str, float] = {
 }
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference implementation's own limit
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")   # the HF decoder naming: model.layers.<i>.<...>
+MAX_DIMS = 8                          # the C runtime's CB_MAX_DIMS
+MAX_DIM = 1 << 40                     # per dimension, as the C runtime accepts
+MAX_OFFSET = (1 << 63) - 1            # a file offset (off_t); larger is not a position in any file
 
 
 @dataclass(frozen=True)
@@ -82,21 +87,47 @@ def read_header(path: Path) -> ShardHeader:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc})",
                               "the shard is corrupted; download it again") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: safetensors header is nested too deeply to be a tensor table",
+                              "the shard is corrupted; download it again") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object", "the shard is corrupted")
     data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = []
-    for name, entry in header.items():
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry",
-                                  "the shard is corrupted; download it again") from None
-        tensors.append(TensorInfo(name, dtype, shape, Path(path), data_start + begin, data_start + end))
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: safetensors header's '__metadata__' is not an object of strings",
+                              "the shard is corrupted; download it again")
+    tensors = [_tensor_entry(path, name, entry, data_start) for name, entry in header.items()]
     return ShardHeader(Path(path), size, data_start, tuple(tensors), dict(metadata))
+
+
+def _is_count(value: object, top: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= top
+
+
+def _tensor_entry(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    """One ``{"dtype", "shape", "data_offsets"}`` entry, its types and ranges checked: integers only (no floats,
+    no booleans), dimensions and offsets within :data:`MAX_DIM` / :data:`MAX_OFFSET`. Whether the bytes fit the
+    file, match shape x dtype or overlap is colibri.validation's business (doctor lists every such problem)."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({what})",
+                               "the shard is corrupted; download it again")
+
+    if not isinstance(entry, dict):
+        raise bad("not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or not dtype or len(dtype) > 32:
+        raise bad("no dtype string")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d, MAX_DIM) for d in shape):
+        raise bad(f"'shape' must be a list of at most {MAX_DIMS} integers from 0 to {MAX_DIM}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o, MAX_OFFSET) for o in offsets):
+        raise bad(f"'data_offsets' must be two integers from 0 to {MAX_OFFSET}")
+    begin, end = offsets
+    if end < begin:
+        raise bad(f"'data_offsets' end {end} is before its begin {begin}")
+    return TensorInfo(name, dtype, tuple(shape), Path(path), data_start + begin, data_start + end)
 
 
 def default_shard_set(directory: Path, prefix: str = "") -> ShardSet | None:
@@ -114,15 +145,24 @@ def default_shard_set(directory: Path, prefix: str = "") -> ShardSet | None:
 def read_index(index_file: Path) -> dict[str, str]:
     """The ``weight_map`` of a sharded checkpoint's index file."""
     try:
+        if index_file.stat().st_size > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{index_file}: larger than {MAX_HEADER_BYTES} bytes, not an index",
+                                  "restore the index file")
         data = json.loads(index_file.read_text(encoding="utf-8"))
     except OSError as exc:
         raise CheckpointError(f"{index_file}: cannot read ({exc.strerror})", "check the path") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{index_file}: not valid JSON ({exc})", "restore the index file") from None
+    except RecursionError:
+        raise CheckpointError(f"{index_file}: JSON nested too deeply", "restore the index file") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_file}: has no 'weight_map' of tensor name -> shard file",
                               "restore the index file")
+    for name, file in weight_map.items():
+        if not file or "/" in file or "\\" in file or file.startswith("."):
+            raise CheckpointError(f"{index_file}: weight_map[{name!r}] is {file!r}, not a shard file name in the "
+                                  "directory", "restore the index file")
     return weight_map
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .errors import ConfigError
 
@@ -20,6 +20,52 @@ _MISSING = object()
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 CONTEXT_FIELDS = ("max_position_embeddings", "model_max_length", "max_sequence_length", "seq_length")
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
+KV_HEAD_FIELDS = ("num_key_value_heads",)
+HEAD_FIELDS = ("num_attention_heads",)
+GROUP_FIELDS = ("n_group", "num_expert_group")
+
+# Every size-like field a family may size something from, with the largest value colibri accepts. The bounds are
+# far above any real checkpoint (DeepSeek-V3: 61 layers, 256 experts, vocab 129k; Llama 4: 10M context) and far
+# below what makes a table of names or a per-layer tuple expensive; sizes are then checked against the tensors on
+# disk (colibri.validation) before a tensor layout is built from them.
+MAX_LAYERS = 1 << 14
+MAX_EXPERTS = 1 << 16
+MAX_HEADS = 1 << 14
+MAX_WIDTH = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 28
+MAX_INT = (1 << 31) - 1        # any other integer a family reads with require_int
+
+SIZE_BOUNDS: dict[str, int] = {
+    **dict.fromkeys(LAYER_COUNT_FIELDS + ("num_nextn_predict_layers", "first_k_dense_replace", "num_hash_layers",
+                                          "moe_layer_freq", "decoder_sparse_step", "full_attention_interval"),
+                    MAX_LAYERS),
+    **dict.fromkeys(EXPERT_COUNT_FIELDS + TOP_K_FIELDS + GROUP_FIELDS + ("topk_group", "n_shared_experts",
+                                                                         "num_shared_experts"), MAX_EXPERTS),
+    **dict.fromkeys(HEAD_FIELDS + KV_HEAD_FIELDS + ("n_head", "index_n_heads", "linear_num_key_heads",
+                                                    "linear_num_value_heads"), MAX_HEADS),
+    **dict.fromkeys(("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "index_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"),
+                    MAX_WIDTH),
+    "vocab_size": MAX_VOCAB,
+    **dict.fromkeys(CONTEXT_FIELDS + ("sliding_window", "index_topk"), MAX_CONTEXT),
+}
+# Floats an engine takes as given: (smallest, largest, whether the smallest itself is allowed).
+FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), (0.0, 1.0, False)),
+    "rope_theta": (0.0, math.inf, False),
+    "partial_rotary_factor": (0.0, 1.0, False),
+    "routed_scaling_factor": (0.0, math.inf, True),
+    "clip_qkv": (0.0, math.inf, False),
+    "factor": (0.0, math.inf, False),          # rope scaling
+}
+# Floats families read as ``float(cfg.get(name, default))``: present but null is an error, not the default.
+NON_NULL_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "routed_scaling_factor")
+BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias")
+NESTED_ROPE_FIELDS = ("rope_parameters", "rope_scaling")
+RESTORE_HINT = "restore the checkpoint's original config.json"
 
 
 def first_of(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -41,13 +87,51 @@ def require(config: Mapping[str, Any], *names: str, where: str = "config.json") 
     return value
 
 
-def require_int(config: Mapping[str, Any], *names: str, where: str = "config.json", minimum: int = 0) -> int:
-    """An integer field (first of ``names``) that must be present and ``>= minimum``."""
+def _is_integer(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and int(value) == value)
+
+
+def present_name(config: Mapping[str, Any], *names: str) -> str:
+    """The first of ``names`` the config spells (not null), else the first of ``names``: for error messages."""
+    return next((n for n in names if config.get(n) is not None), names[0])
+
+
+def require_int(config: Mapping[str, Any], *names: str, where: str = "config.json", minimum: int = 0,
+                maximum: int | None = None) -> int:
+    """An integer field (first of ``names``) that must be present and in ``[minimum, maximum]``.
+
+    ``maximum`` defaults to the field's bound in :data:`SIZE_BOUNDS` (else :data:`MAX_INT`), so no family sizes a
+    table from an absurd value by forgetting to bound it.
+    """
     value = require(config, *names, where=where)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
-        raise ConfigError(f"{where}: {names[0]!r} is {value!r}, expected an integer >= {minimum}",
-                          "restore the checkpoint's original config.json")
+    name = present_name(config, *names)
+    top = maximum if maximum is not None else SIZE_BOUNDS.get(name, MAX_INT)
+    if not _is_integer(value) or not minimum <= value <= top:
+        raise ConfigError(f"{where}: {name!r} is {value!r}, expected an integer from {minimum} to {top}",
+                          RESTORE_HINT)
     return int(value)
+
+
+def require_number(config: Mapping[str, Any], name: str, default: float, where: str = "config.json") -> float:
+    """A float field (absent or null: ``default``) within its :data:`FLOAT_BOUNDS`; a string or NaN is an error."""
+    value = config.get(name)
+    if value is None:
+        return float(default)
+    problem = _float_problem(name, value)
+    if problem:
+        raise ConfigError(f"{where}: {problem}", RESTORE_HINT)
+    return float(value)
+
+
+def _float_problem(name: str, value: Any) -> str | None:
+    low, high, closed = FLOAT_BOUNDS.get(name, (-math.inf, math.inf, True))
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (low <= value if closed else low < value) and value <= high)
+    if ok:
+        return None
+    span = f"{'[' if closed else '('}{low:g}, {high:g}]"
+    return f"{name!r} is {value!r}, expected a number in {span}"
 
 
 def optional_int(config: Mapping[str, Any], *names: str, default: int = 0, where: str = "config.json") -> int:
@@ -92,7 +176,77 @@ def rope(config: Mapping[str, Any], default_theta: float = 10000.0, default_part
                                                                        default="default"))
     extra = {k: v for k, v in {**scaling, **params}.items()
              if k not in ("rope_theta", "partial_rotary_factor", "rope_type", "type")}
+    for name, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        problem = _float_problem(name, value)
+        if problem:
+            raise ConfigError(f"config.json: {problem}", RESTORE_HINT)
     return Rope(float(theta), float(partial), str(rope_type), extra or None)
+
+
+def _field_problems(config: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    for name, top in SIZE_BOUNDS.items():
+        value = config.get(name)
+        if value is not None and (not _is_integer(value) or not 0 <= value <= top):
+            yield f"{prefix}{name!r} is {value!r}, expected an integer from 0 to {top}"
+    for name in FLOAT_BOUNDS:
+        value = config.get(name)
+        problem = None if value is None else _float_problem(name, value)
+        if value is None and name in NON_NULL_FLOATS and name in config:
+            problem = f"{name!r} is null, expected a number"
+        if problem:
+            yield prefix + problem
+    for name in BOOL_FIELDS:
+        value = config.get(name)
+        if value is not None and not isinstance(value, bool) and value not in (0, 1):
+            yield f"{prefix}{name!r} is {value!r}, expected true or false"
+    for nested in NESTED_ROPE_FIELDS:
+        inner = config.get(nested)
+        if isinstance(inner, Mapping):
+            sections = [inner] + [v for v in inner.values() if isinstance(v, Mapping)]
+            for section in sections:
+                for name in ("rope_theta", "partial_rotary_factor", "factor"):
+                    value = section.get(name)
+                    problem = None if value is None else _float_problem(name, value)
+                    if problem:
+                        yield f"{prefix}{nested}: {problem}"
+
+
+def _consistency_problems(config: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    """Fields that contradict each other: what an engine would otherwise refuse as its own ``--set`` value."""
+    def value(*names: str) -> int:
+        v = first_of(config, *names)
+        return int(v) if _is_integer(v) else 0
+
+    experts, top_k = value(*EXPERT_COUNT_FIELDS), value(*TOP_K_FIELDS)
+    if experts and top_k > experts:
+        yield (f"{prefix}{present_name(config, *TOP_K_FIELDS)!r} is {top_k} but "
+               f"{present_name(config, *EXPERT_COUNT_FIELDS)!r} is {experts} (top-k cannot exceed the experts)")
+    heads, kv_heads = value(*HEAD_FIELDS), value(*KV_HEAD_FIELDS)
+    if heads and kv_heads and (kv_heads > heads or heads % kv_heads):
+        yield (f"{prefix}'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+    groups, topk_group = value(*GROUP_FIELDS), value("topk_group")
+    if experts and groups and (groups > experts or experts % groups):
+        yield f"{prefix}{present_name(config, *GROUP_FIELDS)!r} ({groups}) does not divide the {experts} experts"
+    if groups and topk_group > groups:
+        yield f"{prefix}'topk_group' is {topk_group} but there are {groups} expert groups"
+
+
+def config_problems(config: Mapping[str, Any]) -> list[str]:
+    """Every size-like, float and boolean field of ``config`` (and of its ``text_config``) out of type or range,
+    and fields that contradict each other, as ``'field' is ...`` lines. Empty when the config is sound."""
+    problems = list(_field_problems(config, "")) + list(_consistency_problems(config, ""))
+    inner = config.get("text_config")
+    if isinstance(inner, Mapping):
+        problems += list(_field_problems(inner, "text_config.")) + list(_consistency_problems(inner, "text_config."))
+    return problems
+
+
+def check_config(config: Mapping[str, Any], where: str = "config.json") -> None:
+    """Raise :class:`ConfigError` naming the file and the first bad field (see :func:`config_problems`)."""
+    problems = config_problems(config)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"{where}: {problems[0]}{more}", RESTORE_HINT)
 
 
 def num_experts(config: Mapping[str, Any]) -> int:
@@ -135,7 +289,10 @@ def moe_layer_indices(config: Mapping[str, Any], num_layers: int, where: str = "
         first_k = optional_int(config, "first_k_dense_replace", where=where)
         freq = max(1, optional_int(config, "moe_layer_freq", default=1, where=where))
         return tuple(i for i in range(num_layers) if i >= first_k and (i - first_k) % freq == 0)
-    mlp_only = set(int(i) for i in (config.get("mlp_only_layers") or ()))
+    listed = config.get("mlp_only_layers") or ()
+    if isinstance(listed, str) or not isinstance(listed, Sequence) or not all(_is_integer(i) for i in listed):
+        raise ConfigError(f"{where}: 'mlp_only_layers' is {listed!r}, expected a list of layer indices", RESTORE_HINT)
+    mlp_only = set(int(i) for i in listed)
     step = max(1, optional_int(config, "decoder_sparse_step", default=1, where=where))
     return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
 

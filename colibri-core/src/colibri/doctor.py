@@ -14,40 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from . import plugins
-from .checkpoint import DTYPE_BYTES, ShardHeader, TensorInfo, read_header, read_index
+from .checkpoint import ShardHeader, TensorInfo, read_header, read_index
 from .errors import ColibriError
-from .inventory import family_answer, geometry_of, shard_sets_of
+from .inventory import family_answer, geometry_of, logical_tensors, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
-from .records import Geometry, ResolvedModel, ShardSet, TensorLayout
+from .records import ResolvedModel, ShardSet
+from .validation import (  # noqa: F401  (Check and the deep checks are doctor's public names too)
+    FAIL, PASS, WARN, Check, check_chat_template_renders, check_counts, check_dtypes, check_offsets, check_overlaps,
+    check_roles, check_sizes, check_tokenizer_loads, file_checks, layout_checks, summarise,
+)
 
-PASS, WARN, FAIL = "pass", "warn", "fail"
-MAX_PROBLEMS_SHOWN = 5
 LOW_DISK_BYTES = 1024 * 1024 * 1024
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "spiece.model", "vocab.txt")
 TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
 TOKENIZER_DIRS = ("", "tokenizer")
-
-
-@dataclass(frozen=True)
-class Check:
-    """One named check. ``problems`` lists every offending file/tensor; ``detail`` summarises."""
-
-    name: str
-    status: str
-    detail: str
-    problems: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems)}
-
-
-def _summarise(name: str, problems: list[str], ok_detail: str) -> Check:
-    if not problems:
-        return Check(name, PASS, ok_detail)
-    shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
-    more = f"; and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
-    return Check(name, FAIL, shown + more, tuple(problems))
 
 
 # ---------------------------------------------------------------------------------------------- engine status
@@ -140,7 +121,11 @@ class ShardScan:
     """What the shard check learnt, for the deep checks to reuse."""
 
     headers: list[ShardHeader] = field(default_factory=list)
-    names: set[str] = field(default_factory=set)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)   # by name (a shard set's prefix included)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.tensors)
 
 
 def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
@@ -174,7 +159,7 @@ def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
                 if name in seen:
                     problems.append(f"{file}: tensor {t.name!r} also appears in {seen[name]}")
                 seen[name] = file
-                scan.names.add(name)
+                scan.tensors[name] = t
             past_end = [t for t in header.tensors if t.end > header.file_size]
             if past_end:
                 worst = max(past_end, key=lambda t: t.end)
@@ -188,7 +173,7 @@ def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
     ok = f"{files} file(s), {len(seen)} tensors, complete"
     if not shard_sets or not any(s.files for s in shard_sets):
         problems.append("no *.safetensors weights found")
-    return _summarise("shards", problems, ok)
+    return summarise("shards", problems, ok)
 
 
 def check_disk_space(model_dir: Path) -> Check:
@@ -200,90 +185,6 @@ def check_disk_space(model_dir: Path) -> Check:
         return Check("disk space", WARN, f"{model_dir}: only {human_bytes(free)} free; building an engine and "
                                          "logs need some room")
     return Check("disk space", PASS, f"{human_bytes(free)} free")
-
-
-# ---------------------------------------------------------------------------------------------- deep checks
-
-def _all_tensors(scan: ShardScan) -> list[tuple[ShardHeader, TensorInfo]]:
-    return [(h, t) for h in scan.headers for t in h.tensors]
-
-
-def check_dtypes(scan: ShardScan) -> Check:
-    problems = [f"{h.file}: tensor {t.name!r} has unknown dtype {t.dtype!r}"
-                for h, t in _all_tensors(scan) if t.dtype not in DTYPE_BYTES]
-    return _summarise("dtypes", problems, ", ".join(sorted({t.dtype for _, t in _all_tensors(scan)})) or "none")
-
-
-def check_sizes(scan: ShardScan) -> Check:
-    problems = []
-    for h, t in _all_tensors(scan):
-        if t.dtype not in DTYPE_BYTES:
-            continue  # reported by the dtype check
-        expected = t.numel * DTYPE_BYTES[t.dtype]
-        if expected != t.nbytes:
-            problems.append(f"{h.file}: tensor {t.name!r} shape {list(t.shape)} x {t.dtype} is {expected:g} bytes "
-                            f"but its offsets span {t.nbytes}")
-    return _summarise("tensor sizes", problems, "shape x dtype matches every byte range")
-
-
-def check_offsets(scan: ShardScan) -> Check:
-    problems = []
-    for h, t in _all_tensors(scan):
-        if t.end < t.begin:
-            problems.append(f"{h.file}: tensor {t.name!r} ends (byte {t.end}) before it begins ({t.begin})")
-        elif t.end > h.file_size:
-            problems.append(f"{h.file}: tensor {t.name!r} runs to byte {t.end}, past the end of the "
-                            f"{h.file_size}-byte file")
-    return _summarise("offsets", problems, "every tensor lies inside its file")
-
-
-def check_overlaps(scan: ShardScan) -> Check:
-    problems = []
-    for h in scan.headers:
-        ordered = sorted((t for t in h.tensors if t.end > t.begin), key=lambda t: (t.begin, t.end))
-        for prev, cur in zip(ordered, ordered[1:]):
-            if cur.begin < prev.end:
-                problems.append(f"{h.file}: tensor {cur.name!r} (bytes {cur.begin}-{cur.end}) overlaps "
-                                f"{prev.name!r} (bytes {prev.begin}-{prev.end})")
-    return _summarise("overlaps", problems, "no two tensors share bytes")
-
-
-def check_roles(layout: TensorLayout, names: set[str], geometry: Geometry) -> Check:
-    """Every tensor the family's layout names is on disk: embedding, norms, routers, each expert, lm_head."""
-    problems: list[str] = []
-
-    def need(role: str, name: str) -> None:
-        if name not in names:
-            problems.append(f"{role}: tensor {name!r} is missing")
-
-    for name in layout.embeddings:
-        need("embedding", name)
-    if layout.lm_head is not None and layout.lm_head not in layout.embeddings:
-        need("lm_head", layout.lm_head)
-    for name in layout.norms:
-        need("norm", name)
-    for layer, name in layout.routers:
-        need(f"layer {layer} router", name)
-    for ex in layout.experts:
-        missing = [n for n in ex.tensors if n not in names]
-        if missing:
-            problems.append(f"layer {ex.layer} expert {ex.expert}: tensor {missing[0]!r} is missing"
-                            + (f" (and {len(missing) - 1} more of that expert)" if len(missing) > 1 else ""))
-    for name in layout.required:
-        need("required", name)
-    for name in layout.buffers:
-        need("buffer", name)
-    moe_layers = {ex.layer for ex in layout.experts}
-    if geometry.num_experts:
-        for layer in sorted(moe_layers):
-            count = sum(1 for ex in layout.experts if ex.layer == layer)
-            if count != geometry.num_experts:
-                problems.append(f"layer {layer}: the layout names {count} experts but the config says "
-                                f"{geometry.num_experts}")
-    tied = "tied" if layout.lm_head is None else "untied"
-    ok = (f"embedding, {len(layout.norms)} norms, {len(layout.routers)} routers, {len(layout.experts)} experts "
-          f"in {len(moe_layers)} MoE layers, lm_head {tied}")
-    return _summarise("tensor roles", problems, ok)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -337,16 +238,20 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     if failed:
         return checks + [failed]
     checks.append(Check("family", PASS, f"{model.family} claims model_type {model.model_type!r}"))
+    return checks + model_checks(model, deep)
 
+
+def model_checks(model: ResolvedModel, deep: bool = False) -> list[Check]:
+    """The checks of a resolved model (everything after config and family), e.g. for ``coli convert``."""
+    model_dir = model.path
+    checks: list[Check] = []
     geometry, failed = _guarded("geometry", lambda: geometry_of(model))
     if failed:
-        return checks + [failed]
-    layout, failed = _guarded("tensor layout", lambda: family_answer(model, "tensor_layout"))
-    if failed:
-        return checks + [failed]
+        return [failed]
 
     is_lm = geometry.vocab_size > 0
-    checks.append(check_tokenizer(model_dir, needs_tokenizer=is_lm))
+    tokenizer = check_tokenizer(model_dir, needs_tokenizer=is_lm)
+    checks.append(tokenizer)
     checks.append(check_chat_template(model_dir, is_lm))
 
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
@@ -354,22 +259,41 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     checks.append(failed or check_shards(shard_sets, scan))
     container_check, container = check_container(model_dir, model)
     checks.append(container_check)
+    # A container's roles are its source tensors (the scheme map), not the .qweight/.scales it stores.
+    tensors = logical_tensors(container) if container is not None else scan.tensors
+    # Before any layout is sized from the config: its counts against what the shards hold.
+    counts = check_counts(model, geometry, tensors)
+    checks.append(counts)
     checks.append(check_disk_space(model_dir))
     built, status = engine_status(model.family, model)
     checks.append(Check("engine", PASS if built else WARN, status))
 
     if deep:
-        checks.append(check_dtypes(scan))
-        checks.append(check_sizes(scan))
-        checks.append(check_offsets(scan))
-        checks.append(check_overlaps(scan))
-        if layout is None:
-            checks.append(Check("tensor roles", WARN, f"family {model.family} gives no tensor layout"))
-        else:
-            # A container's roles are its source tensors (the scheme map), not the .qweight/.scales it stores.
-            names = set(container.tensors) if container is not None else scan.names
-            checks.append(check_roles(layout, names, geometry))
+        checks += file_checks(scan.headers)
+        checks += _layout_checks(model, geometry, tensors, counts)
+        if is_lm and tokenizer.status == PASS and _loads_its_tokenizer(model):   # the files are there: do they load?
+            loads, tok = check_tokenizer_loads(model, geometry.vocab_size)
+            checks += [loads, check_chat_template_renders(tok)]
     return checks
+
+
+def _loads_its_tokenizer(model: ResolvedModel) -> bool:
+    """Whether the model's tokenizer is one colibri loads: the family's own ``load_tokenizer``, or core's default
+    (which reads the directory's ``tokenizer.json``)."""
+    own = any(impl.plugin_name == model.family for impl in plugins.manager().hook.load_tokenizer.get_hookimpls())
+    return own or (model.path / "tokenizer.json").is_file()
+
+
+def _layout_checks(model: ResolvedModel, geometry, tensors: dict[str, TensorInfo], counts: Check) -> list[Check]:
+    if counts.status == FAIL:
+        return [Check("tensor roles", WARN, "not checked: config.json contradicts the tensors (see config vs "
+                                            "tensors)")]
+    layout, failed = _guarded("tensor layout", lambda: family_answer(model, "tensor_layout"))
+    if failed:
+        return [failed]
+    if layout is None:
+        return [Check("tensor roles", WARN, f"family {model.family} gives no tensor layout")]
+    return layout_checks(layout, tensors, geometry, model.path)
 
 
 def failures(checks: list[Check]) -> list[Check]:

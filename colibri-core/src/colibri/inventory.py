@@ -54,9 +54,13 @@ def shard_sets_of(model: ResolvedModel) -> tuple[ShardSet, ...]:
 
 
 def load_facts(model: ResolvedModel) -> ModelFacts:
-    """Ask the family for geometry/layout/limits/weight files and read every shard header (never weights)."""
+    """Ask the family for geometry/layout/limits/weight files and read every shard header (never weights).
+
+    The files are validated (dtypes, sizes, offsets, overlaps) and the config's counts checked against the tensors
+    on disk before the family is asked for a layout, which it sizes from the config."""
+    from . import validation
+
     geometry = geometry_of(model)
-    layout = family_answer(model, "tensor_layout")
     limits = family_answer(model, "limits")
     shard_sets = shard_sets_of(model)
     if not shard_sets:
@@ -65,7 +69,10 @@ def load_facts(model: ResolvedModel) -> ModelFacts:
         raise ModelNotFoundError(f"{model.path}: no *.safetensors weights found",
                                  "point --model at a checkpoint directory with safetensors shards")
     tensors = TensorIndex(shard_sets)
+    validation.require(validation.file_checks(tensors.headers))
     container = _container_of(model, tensors)
+    validation.require([validation.check_counts(model, geometry, tensors.tensors)])
+    layout = family_answer(model, "tensor_layout")
     return ModelFacts(model, geometry, layout, limits, shard_sets, tensors, container)
 
 
@@ -80,12 +87,17 @@ def _container_of(model: ResolvedModel, tensors: TensorIndex):
     container = open_container(model.path)
     if container is None:
         return None
+    tensors.tensors = logical_tensors(container)
+    return container
+
+
+def logical_tensors(container) -> dict[str, TensorInfo]:
+    """A container's tensors by source name, each of its logical shape, spanning its levels and scales."""
     logical = {}
     for t in container.tensors.values():
         dtype = t.scheme if t.quant is not None else t.parts[0].dtype
         logical[t.name] = TensorInfo(t.name, dtype, tuple(t.shape), t.file, t.begin, t.end)
-    tensors.tensors = logical
-    return container
+    return logical
 
 
 def _skipped(name: str, layout: TensorLayout | None) -> bool:

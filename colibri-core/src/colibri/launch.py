@@ -15,6 +15,7 @@ from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, family_answer, load_facts
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
+from .validation import require_sound_tensors
 
 GIB = 1024 ** 3
 DEFAULT_CTX = 4096
@@ -200,6 +201,9 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
             streaming: Streaming | None = None) -> LaunchSpec:
     """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv."""
     facts = facts or load_facts(model)
+    # The engine is never started on a checkpoint whose tensors contradict the family's layout (what
+    # doctor --deep and convert refuse too): it would read past its arrays or compute with the wrong shapes.
+    require_sound_tensors(model, facts.geometry, facts.layout, facts.tensors)
     ctx = default_ctx(facts) if ctx is None else int(ctx)
     check_limits(model, facts.limits, ctx, slots)
     check_container(facts)

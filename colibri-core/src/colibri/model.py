@@ -9,10 +9,12 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import plugins
+from .configs import check_config
 from .errors import ConfigError, FamilyError, ModelNotFoundError, UsageError
 from .records import Claim, ResolvedModel
 
 MODEL_ENV = "COLI_MODEL"
+MAX_CONFIG_BYTES = 64 * 1024 * 1024     # real config.json files are a few KiB; refuse before reading a huge one
 
 
 def model_dir_from(option: str | os.PathLike | None) -> Path:
@@ -34,8 +36,16 @@ def read_config(model_dir: Path) -> Mapping[str, Any] | None:
     path = model_dir / "config.json"
     if not path.exists():
         return None
+    if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes, not a config (at most {MAX_CONFIG_BYTES})",
+                          "restore config.json from the original checkpoint")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply",
+                          "restore config.json from the original checkpoint") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})", "check the file's permissions") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text", "restore config.json from the original checkpoint") from None
     except json.JSONDecodeError as exc:
@@ -43,6 +53,7 @@ def read_config(model_dir: Path) -> Mapping[str, Any] | None:
                           "restore config.json from the original checkpoint") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level is not a JSON object", "restore config.json")
+    check_config(data, where=str(path))
     return MappingProxyType(data)
 
 

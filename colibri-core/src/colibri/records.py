@@ -119,6 +119,11 @@ class TensorLayout:
                                            # tid2eid): loaded and counted in bytes, never in parameter counts
     packed_fp4: tuple[str, ...] = ()       # FP4 weights stored as I8/U8, two values per byte (DeepSeek-V4's
                                            # experts): each stored element is two parameters
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+                                           # the stored shape of a tensor as the config implies it (any role but
+                                           # routed experts); doctor --deep, convert and run refuse a mismatch
+    expert_shapes: tuple[tuple[int, ...], ...] = ()  # the shape of each position of ExpertTensors.tensors (gate,
+                                           # up, down, ...), the same for every routed expert; () = not stated
 
 
 @dataclass(frozen=True)

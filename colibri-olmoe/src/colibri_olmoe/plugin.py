@@ -83,23 +83,34 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     d = _dims(cfg, where)
     tied = bool(cfg.get("tie_word_embeddings", False))
     bias = bool(cfg.get("attention_bias", False))
+    hidden, q_width, kv_width = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    shapes = {"model.embed_tokens.weight": (d["vocab"], hidden), "lm_head.weight": (d["vocab"], hidden),
+              "model.norm.weight": (hidden,)}
     norms = ["model.norm.weight"]
     routers, experts, required = [], [], []
     for i in range(d["layers"]):
         p = f"model.layers.{i}."
         norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                   p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_norm.weight": (q_width,), p + "self_attn.k_norm.weight": (kv_width,),
+                       p + "mlp.gate.weight": (d["experts"], hidden)})
+        for proj, rows, cols in (("q_proj", q_width, hidden), ("k_proj", kv_width, hidden),
+                                 ("v_proj", kv_width, hidden), ("o_proj", hidden, q_width)):
             required.append(f"{p}self_attn.{proj}.weight")
+            shapes[f"{p}self_attn.{proj}.weight"] = (rows, cols)
             if bias:
                 required.append(f"{p}self_attn.{proj}.bias")
+                shapes[f"{p}self_attn.{proj}.bias"] = (rows,)
         routers.append((i, p + "mlp.gate.weight"))
         for e in range(d["experts"]):
             q = f"{p}mlp.experts.{e}."
             experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
     embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+    width = d["expert_width"]
     return TensorLayout(embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
-                        routers=tuple(routers), experts=tuple(experts), required=tuple(required))
+                        routers=tuple(routers), experts=tuple(experts), required=tuple(required), shapes=shapes,
+                        expert_shapes=((width, hidden), (width, hidden), (hidden, width)))
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
@@ -130,7 +141,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     if rope.rope_type not in ENGINE_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the olmoe engine",
                           f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    eps = cfg.get("rms_norm_eps", 1e-5)
+    eps = configs.require_number(cfg, "rms_norm_eps", 1e-5, where=where)
     values: dict[str, Any] = {
         "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"],
         "num_key_value_heads": d["kv_heads"], "head_dim": d["head_dim"], "intermediate_size": d["expert_width"],

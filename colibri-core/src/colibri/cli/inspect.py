@@ -264,8 +264,9 @@ def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sou
 def doctor_command(
     model: str | None = ModelOption,
     family: str | None = FamilyOption,
-    deep: bool = typer.Option(False, "--deep", help="Also check every tensor's dtype, size, offsets, overlaps "
-                                                    "and the roles the family needs (headers only)."),
+    deep: bool = typer.Option(False, "--deep", help="Also check every tensor's dtype, size, offsets, overlaps, "
+                                                    "the roles and shapes the family needs (headers only), and "
+                                                    "that the tokenizer loads and the chat template renders."),
     as_json: bool = JsonOption,
 ) -> None:
     """Check a checkpoint: config, family, tokenizer, chat template, shards, disk, engine (and --deep tensors)."""

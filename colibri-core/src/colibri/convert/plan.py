@@ -9,19 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..checkpoint import DTYPE_BYTES, TensorIndex, TensorInfo
+from ..checkpoint import DTYPE_BYTES, LAYER_INDEX, TensorIndex, TensorInfo
 from ..errors import CheckpointError, UsageError
 from ..records import ConverterSpec, TensorLayout
 from . import fp8_source
 from .container import CONTAINER_VERSION, SCALES_DTYPE, qweight_name, scales_name, shard_metadata
 from .schemes import BY_OPTION, COPY_SCHEME, FLOAT_SOURCE_DTYPES, Scheme
 
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 HEADER_ALIGN = 8
 
 
@@ -124,7 +122,7 @@ def _float_item(t: TensorInfo, scheme: str) -> Item:
 
 
 def _layer_of(name: str) -> int | None:
-    m = LAYER_RE.search(name)
+    m = LAYER_INDEX.search(name)
     return int(m.group(1)) if m else None
 
 

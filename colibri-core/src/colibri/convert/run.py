@@ -109,7 +109,24 @@ def check_options(model: ResolvedModel, experts: str, dense: str):
     return spec
 
 
+def refuse_unsound_source(model: ResolvedModel) -> None:
+    """Never write a container from a checkpoint ``coli doctor --deep`` fails: run its checks, refuse the first."""
+    from ..doctor import failures, model_checks
+
+    failed = failures(model_checks(model, deep=True))
+    if failed:
+        first = failed[0]
+        problem = first.problems[0] if first.problems else first.detail
+        more = f" (and {len(failed) - 1} more failed check(s))" if len(failed) > 1 else ""
+        raise CheckpointError(f"{model.path}: not converted: {first.name}: {problem}{more}",
+                              f"coli doctor --deep --model {model.path} lists every problem; fix the source first")
+
+
 def make_plan(model: ResolvedModel, experts: str, dense: str) -> tuple[JobPlan, TensorIndex]:
+    if open_container(model.path) is not None:
+        raise UsageError(f"{model.path}: is already a {CONTAINER_NAME} container",
+                         "convert the original (f32/bf16) checkpoint instead")
+    refuse_unsound_source(model)
     spec = check_options(model, experts, dense)
     layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
     if layout is None:
@@ -120,9 +137,6 @@ def make_plan(model: ResolvedModel, experts: str, dense: str) -> tuple[JobPlan, 
         raise CheckpointError(f"{model.path}: no safetensors weights to convert" if not shard_sets or not
                               shard_sets[0].files else f"{model.path}: {len(shard_sets)} weight components",
                               "convert handles one safetensors checkpoint (with or without an index)")
-    if open_container(model.path) is not None:
-        raise UsageError(f"{model.path}: is already a {CONTAINER_NAME} container",
-                         "convert the original (f32/bf16) checkpoint instead")
     index = TensorIndex(shard_sets)
     config = model.path / "config.json"
     config_bytes = config.read_bytes() if config.exists() else b""
@@ -232,6 +246,9 @@ def _write_shard(out: Path, work: Path, shard: ShardPlan, job: str, reporter: Re
                 except ScaleOverflowError as exc:
                     raise CheckpointError(f"{src}: tensor {item.source.name!r}: {exc}",
                                           "this tensor cannot be stored with F16 scales") from None
+                except OSError as exc:       # the source shrank or failed under us after it was validated
+                    raise CheckpointError(f"{src}: tensor {item.source.name!r}: cannot read ({exc})",
+                                          "the source changed or its disk failed; convert again") from None
                 if written != item.nbytes:
                     raise AssertionError(f"{item.source.name}: wrote {written} bytes, planned {item.nbytes}")
             fh.flush()

@@ -64,6 +64,39 @@ static int add_tensor(cb_st_index *idx, cb_tensor *t, int *cap) {
     return 0;
 }
 
+static int cmp_by_offset(const void *a, const void *b) {
+    const cb_tensor *x = *(const cb_tensor *const *)a, *y = *(const cb_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset ? 1 : 0;
+}
+
+/* No two tensors of one shard share bytes: an overlapping pair would make one tensor's values another's. */
+static int check_overlaps(cb_st_index *idx, int first, const char *path, char *err, size_t errlen) {
+    int n = idx->n_tensors - first;
+    if (n < 2) return 0;
+    const cb_tensor **order = malloc((size_t)n * sizeof *order);
+    if (!order) {
+        snprintf(err, errlen, "%s: out of memory", path);
+        return -1;
+    }
+    int m = 0;
+    for (int i = first; i < idx->n_tensors; i++)
+        if (idx->tensors[i].nbytes) order[m++] = &idx->tensors[i];
+    qsort(order, (size_t)m, sizeof *order, cmp_by_offset);
+    int rc = 0;
+    for (int i = 1; i < m && !rc; i++) {
+        const cb_tensor *prev = order[i - 1], *cur = order[i];
+        if (cur->offset < prev->offset + prev->nbytes) {
+            snprintf(err, errlen, "%s: tensor %s (bytes %llu-%llu) overlaps tensor %s (bytes %llu-%llu)", path,
+                     cur->name, (unsigned long long)cur->offset, (unsigned long long)(cur->offset + cur->nbytes),
+                     prev->name, (unsigned long long)prev->offset,
+                     (unsigned long long)(prev->offset + prev->nbytes));
+            rc = -1;
+        }
+    }
+    free(order);
+    return rc;
+}
+
 /* Parse and validate one shard's header, appending its tensors. */
 static int index_shard(cb_st_index *idx, int shard, int *cap, char *err, size_t errlen) {
     const char *path = idx->shard_paths[shard];
@@ -111,10 +144,21 @@ static int index_shard(cb_st_index *idx, int shard, int *cap, char *err, size_t 
         snprintf(err, errlen, "%s: corrupted safetensors header: not a JSON object", path);
         goto out;
     }
+    int first = idx->n_tensors;
     for (size_t i = 0; i < root->len; i++) {
         const char *name = root->keys[i];
         cb_json *v = root->items[i];
-        if (strcmp(name, "__metadata__") == 0) continue;
+        if (strcmp(name, "__metadata__") == 0) {
+            if (v->type != CB_JOBJ) {
+                snprintf(err, errlen, "%s: corrupted safetensors header: __metadata__ is not an object", path);
+                goto out;
+            }
+            continue;
+        }
+        if (v->type != CB_JOBJ) {
+            snprintf(err, errlen, "%s: tensor %s: header entry is not an object", path, name);
+            goto out;
+        }
         cb_json *dt = cb_json_get(v, "dtype"), *shape = cb_json_get(v, "shape");
         cb_json *offs = cb_json_get(v, "data_offsets");
         if (!dt || dt->type != CB_JSTR || !shape || shape->type != CB_JARR || !offs || offs->type != CB_JARR ||
@@ -176,7 +220,7 @@ static int index_shard(cb_st_index *idx, int shard, int *cap, char *err, size_t 
             goto out;
         }
     }
-    rc = 0;
+    rc = check_overlaps(idx, first, path, err, errlen);
 out:
     cb_json_free(doc);
     return rc;
