@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plugins
+from . import hooks
 from .checkpoint import DTYPE_BYTES, ShardHeader, TensorInfo, read_header, read_index
 from .errors import ColibriError
-from .inventory import family_answer, geometry_of, shard_sets_of
+from .inventory import geometry_of, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
 from .records import Geometry, ResolvedModel, ShardSet, TensorLayout
 
@@ -60,7 +60,7 @@ def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool
     builder, ``engine_source`` tells whether an engine exists at all.
     """
     if model is not None:
-        limits = family_answer(model, "limits")
+        limits = hooks.limits(model)
         if limits is not None and not limits.has_engine:
             return False, f"no engine ({limits.reason_no_engine})" if limits.reason_no_engine else "no engine"
     try:
@@ -71,21 +71,17 @@ def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool
         builder = None
     status_fn = getattr(builder, "engine_status", None)
     if status_fn is not None:
-        built, path, reason = status_fn(family)
+        built, path, reason = status_fn(family, model)
         return bool(built), (f"built: {path}" if built and path else reason)
-    source = family_source(family)
+    source = family_source(family, model)
     if source is None:
         return False, "no engine"
     return False, f"not built ({source.name}; the engine builder is not installed)"
 
 
-def family_source(family: str):
-    """The family's own ``engine_source`` answer, or None."""
-    pm = plugins.manager()
-    for impl in pm.hook.engine_source.get_hookimpls():
-        if impl.plugin_name == family:
-            return impl.function()
-    return None
+def family_source(family: str, model: ResolvedModel | None = None):
+    """The family's own ``engine_source`` answer (for ``model``, or its main engine), or None."""
+    return hooks.family_engine_source(family, model)
 
 
 # ---------------------------------------------------------------------------------------------- file checks
@@ -299,7 +295,7 @@ def check_container(model_dir: Path, model: ResolvedModel) -> tuple[Check, Any]:
     if container is None:
         return Check("container", PASS, "native checkpoint (no colibri-quant stamp)"), None
     schemes = sorted({t.scheme for t in container.tensors.values() if t.quant is not None})
-    limits = family_answer(model, "limits")
+    limits = hooks.limits(model)
     supported = limits.quant_schemes if limits is not None else ()
     missing = [s for s in schemes if s not in supported]
     detail = (f"colibri-quant v{container.version}, {len(container.tensors)} tensors "
@@ -341,7 +337,7 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
     geometry, failed = _guarded("geometry", lambda: geometry_of(model))
     if failed:
         return checks + [failed]
-    layout, failed = _guarded("tensor layout", lambda: family_answer(model, "tensor_layout"))
+    layout, failed = _guarded("tensor layout", lambda: hooks.tensor_layout(model))
     if failed:
         return checks + [failed]
 

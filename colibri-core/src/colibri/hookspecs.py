@@ -130,12 +130,16 @@ def plan_resources(
 
 
 @hookspec(firstresult=True)
-def engine_source() -> EngineSource | None:
-    """Name the C sources of the family's engine (compiled by core together with the shared runtime).
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """Name the C sources of the engine that runs ``model`` (compiled by core together with the shared runtime).
 
-    Called on one family's plugin only. firstresult.
+    A family with several compositions (one per attention kind, say) answers with the one this model needs, each
+    under its own binary name, so the binary never has to dispatch on its arguments. Called on one family's plugin
+    only. firstresult.
 
-    :returns: an :class:`~colibri.records.EngineSource`, or ``None`` when the family has no engine yet.
+    :param model: the resolved model; ``None`` asks for the family's main engine (what ``coli build FAMILY``
+        builds and ``coli families`` reports when no model is named).
+    :returns: an :class:`~colibri.records.EngineSource`, or ``None`` when the family (or this model) has no engine.
     """
 
 
@@ -143,8 +147,9 @@ def engine_source() -> EngineSource | None:
 def engine_path(model: ResolvedModel) -> Path | None:
     """Return the engine binary that runs this model.
 
-    firstresult: core's default builds (or finds in the build cache) the family's ``engine_source``. A family
-    that ships a prebuilt binary answers with its path.
+    firstresult; no core default: when no family answers, core builds (or finds in the build cache) the
+    family's ``engine_source(model)`` (``colibri.builder.engine_for_model``). A family that ships a prebuilt
+    binary answers with its path.
 
     :param model: the resolved model.
     :returns: path to an executable engine.

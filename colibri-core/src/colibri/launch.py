@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from . import builder, hooks
 from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
-from .inventory import ModelFacts, family_answer, load_facts
+from .inventory import ModelFacts, load_facts
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 
@@ -181,8 +182,7 @@ def default_ctx(facts: ModelFacts) -> int:
 
 def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
     request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0))
-    plan = family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
-                         layout=facts.layout, tensors=facts.tensors)
+    plan = hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
     if not plan.fits:
         from .console import human_bytes
 
@@ -206,10 +206,10 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     if cap is not None and cap < 0:
         raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")
     plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
-    binary = family_answer(model, "engine_path")
+    binary = builder.engine_for_model(model)
     if binary is None:
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")
-    env: EngineEnv = family_answer(model, "build_env", plan=plan) or EngineEnv()
+    env: EngineEnv = hooks.build_env(model, plan)
     threads = int(threads) if threads else default_threads()
     streaming = streaming or Streaming()
     streaming.check()

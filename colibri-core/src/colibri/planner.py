@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .inventory import take_inventory
+from .roles import take_inventory
 from .records import Geometry, PlanRequest, ResolvedModel, ResourcePlan, TensorLayout
 
 FIXED_RESERVE_BYTES = 64 * 1024 * 1024

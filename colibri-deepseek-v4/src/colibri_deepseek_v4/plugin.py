@@ -360,26 +360,28 @@ def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
     return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
 
 
-# Model types engine/deepseek.c composes from MLA; deepseek_v4 runs engine/deepseek_v4.c (the same binary).
-ENGINE_TYPES = ("deepseek_v3", "deepseek_v32")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    if model.model_type in ENGINE_TYPES:
-        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
-    if model.model_type == "deepseek_v4":
-        # engine/deepseek_v4.c. No colibri-quant schemes: the container expert kernels have no clamped SwiGLU.
-        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=())
-    return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
+    if engine_source(model) is None:
+        return Limits(max_context=configs.max_context(model.config), has_engine=False,
+                      reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
+    # deepseek_v4: no colibri-quant schemes (the container expert kernels have no clamped SwiGLU).
+    return Limits(max_context=configs.max_context(model.config), has_engine=True,
+                  quant_schemes=() if model.model_type == "deepseek_v4" else QUANT_SCHEMES)
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
-# DeepSeek-V4's composition, linked into the same binary; deepseek.c's main picks it on --set attention=v4.
 ENGINE_V4_C = Path(__file__).parent / "engine" / "deepseek_v4.c"
+# One binary per composition: MLA (deepseek.c: V3, V3.2) and V4 (deepseek_v4.c). Both still link both files
+# because deepseek.c's main picks V4 on --set attention=v4; once deepseek_v4.c has its own main, each source
+# tuple names its own file only.
+MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C, ENGINE_V4_C))
+ENGINES = {"deepseek_v3": MLA_ENGINE, "deepseek_v32": MLA_ENGINE,
+           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C))}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
@@ -444,9 +446,9 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     cfg, where = model.config, _where(model)
     if model.model_type == "deepseek_v4":
         return _as_set_args(engine_hparams_v4(model))
-    if model.model_type not in ENGINE_TYPES:
+    if engine_source(model) is None:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
-                          f"the deepseek engine runs {', '.join(ENGINE_TYPES)}")
+                          f"the deepseek engine runs {', '.join(ENGINES)}")
     r = _read_mla(cfg, where)
     _check_router(cfg, where)
     fp8.check_config(cfg, where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
@@ -594,8 +596,9 @@ def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C))
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """The composition for this model's type; the MLA one (V3 / V3.2) without a model."""
+    return ENGINES.get(model.model_type if model is not None else "deepseek_v3")
 
 
 @hookimpl

@@ -183,7 +183,7 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.config), has_engine=True,
+    return Limits(max_context=configs.max_context(model.config), has_engine=engine_source(model) is not None,
                   quant_schemes=QUANT_SCHEMES)
 
 
@@ -193,7 +193,7 @@ ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
+def engine_source(model: ResolvedModel | None) -> EngineSource:
     return EngineSource(name="colibri-glm", sources=(ENGINE_C,))
 
 

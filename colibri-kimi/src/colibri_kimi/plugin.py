@@ -196,15 +196,13 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
-# Model types the engine runs: kimi.c (Kimi K2), dispatching kimi_linear to kimi_linear.c.
-ENGINE_TYPES = ("kimi_k2", "kimi_linear")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    if model.model_type in ENGINE_TYPES:
+    if engine_source(model) is not None:
         return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
                   reason_no_engine=f"no engine for {model.model_type}")
@@ -212,6 +210,11 @@ def limits(model: ResolvedModel) -> Limits:
 
 ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
 ENGINE_LINEAR_C = Path(__file__).parent / "engine" / "kimi_linear.c"
+# One binary per composition: Kimi K2 (kimi.c) and Kimi Linear (kimi_linear.c). Both still link both files
+# because kimi.c's main picks the composition from --set model_type; once each file has its own main, each
+# source tuple names its own file only.
+ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C)),
+           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_C, ENGINE_LINEAR_C))}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
@@ -266,9 +269,9 @@ def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, w
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the Kimi K2 engine, resolved from config.json."""
     where = str(model.path / "config.json")
-    if model.model_type not in ENGINE_TYPES:
+    if engine_source(model) is None:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
-                          f"the kimi engine runs {', '.join(ENGINE_TYPES)}")
+                          f"the kimi engine runs {', '.join(ENGINES)}")
     r = _read(model)
     fp8.check_config(r["cfg"], where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
     if r["linear"]:
@@ -339,8 +342,9 @@ def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tupl
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C))
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """The composition for this model's type; Kimi K2's without a model."""
+    return ENGINES.get(model.model_type if model is not None else "kimi_k2")
 
 
 @hookimpl

@@ -108,7 +108,8 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.text_config), has_engine=True,
+    return Limits(max_context=configs.max_context(model.text_config),
+                  has_engine=engine_source(model) is not None,
                   quant_schemes=QUANT_SCHEMES)
 
 
@@ -118,7 +119,7 @@ ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
+def engine_source(model: ResolvedModel | None) -> EngineSource:
     return EngineSource(name="colibri-olmoe", sources=(ENGINE_C,))
 
 

@@ -181,8 +181,8 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=True,
-                  quant_schemes=QUANT_SCHEMES)
+    return Limits(max_context=configs.max_context(configs.text_config(model.config)),
+                  has_engine=engine_source(model) is not None, quant_schemes=QUANT_SCHEMES)
 
 
 ENGINE_C = Path(__file__).parent / "engine" / "qwen.c"
@@ -191,7 +191,7 @@ ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
+def engine_source(model: ResolvedModel | None) -> EngineSource:
     return EngineSource(name="colibri-qwen", sources=(ENGINE_C,))
 
 

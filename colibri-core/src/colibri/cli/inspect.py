@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from .. import sysinfo
+from .. import hooks, sysinfo
 from ..console import (
     STATUS_STYLES,
     emit_json,
@@ -22,7 +22,7 @@ from ..console import (
 )
 from ..doctor import DoctorFailed, diagnose, failures
 from ..errors import InsufficientMemoryError, UsageError
-from ..inventory import ModelFacts, family_answer, load_facts, take_inventory
+from ..inventory import ModelFacts, load_facts, take_inventory
 from ..model import resolve_model
 from ..records import PlanRequest, ResourcePlan
 from ._app import app
@@ -178,8 +178,7 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
 
 def make_plan(facts: ModelFacts, request: PlanRequest) -> ResourcePlan:
     """The claiming family's plan_resources answer (core's planner unless the family overrides it)."""
-    return family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
-                         layout=facts.layout, tensors=facts.tensors)
+    return hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
 
 
 def _gib_up(n: int) -> str:

@@ -115,7 +115,7 @@ def serve_command(
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
-    from ..inventory import family_answer
+    from .. import hooks
     from ..launch import prepare, start
     from ..model import resolve_model
     from ..prompt import checkpoint_sampling
@@ -140,7 +140,7 @@ def serve_command(
 
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
-    codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
+    codec = TokenizerCodec(hooks.load_tokenizer(resolved))
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)

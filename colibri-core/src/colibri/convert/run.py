@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .. import plugins
+from .. import hooks
 from ..checkpoint import TensorIndex
 from ..errors import CheckpointError, FamilyError, UsageError
 from ..records import ResolvedModel
@@ -96,7 +96,7 @@ def check_options(model: ResolvedModel, experts: str, dense: str):
         raise UsageError(f"--experts {experts}: unknown scheme", f"choose one of {', '.join(EXPERT_OPTIONS)}")
     if dense not in DENSE_OPTIONS:
         raise UsageError(f"--dense {dense}: unknown scheme", f"choose one of {', '.join(DENSE_OPTIONS)}")
-    spec = plugins.family_hook(model.family, "converter_spec")(model=model)
+    spec = hooks.converter_spec(model)
     if spec is None:
         raise FamilyError(f"family {model.family!r} ({model.model_type}) has no converter: it names no routed "
                           "experts to quantize", "run this checkpoint as it is; it needs no conversion")
@@ -111,11 +111,11 @@ def check_options(model: ResolvedModel, experts: str, dense: str):
 
 def make_plan(model: ResolvedModel, experts: str, dense: str) -> tuple[JobPlan, TensorIndex]:
     spec = check_options(model, experts, dense)
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
     if layout is None:
         raise FamilyError(f"family {model.family!r} gives no tensor layout for {model.model_type}",
                           "the family plugin cannot describe this checkpoint; it cannot be converted")
-    shard_sets = plugins.family_hook(model.family, "weight_files")(model=model) or ()
+    shard_sets = hooks.weight_files(model)
     if len(shard_sets) != 1 or not shard_sets[0].files:
         raise CheckpointError(f"{model.path}: no safetensors weights to convert" if not shard_sets or not
                               shard_sets[0].files else f"{model.path}: {len(shard_sets)} weight components",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import plugins
+from .. import hooks
 from ..checkpoint import TensorIndex, TensorInfo
 from ..records import ResolvedModel
 from .container import Container, ContainerError, StoredTensor, open_container
@@ -120,7 +120,7 @@ def verify_container(out: Path, source: TensorIndex, model: ResolvedModel) -> Ve
             result.tensors += 1
     finally:
         files.close()
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
     for ex in layout.experts if layout else ():
         container.extent(ex.tensors)
         result.experts += 1

@@ -30,11 +30,11 @@ def rescale_experts(src: Path, dst: Path) -> Path:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from .. import plugins
+    from .. import hooks
     from ..model import resolve_model
 
     model = resolve_model(str(src))
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
     experts = {name for ex in layout.experts for name in ex.tensors}
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -82,14 +82,14 @@ def _logits(model, ids: list[int]):
 
 def _reference(source: Path) -> tuple[list[int], object]:
     """Token ids of the quality text and the f32 engine's logits on them, computed once per source."""
-    from .. import plugins
+    from .. import hooks
     from ..convert.quality import default_text, token_window
     from ..model import resolve_model
 
     key = str(source.resolve())
     if key not in _references:
         src = resolve_model(key)
-        tokenizer = plugins.family_hook(src.family, "load_tokenizer")(model=src)
+        tokenizer = hooks.load_tokenizer(src)
         ids = token_window(tokenizer.encode(default_text()), POSITIONS, "the quality text")
         _references[key] = (ids, _logits(src, ids))
     return _references[key]
