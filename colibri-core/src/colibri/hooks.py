@@ -86,12 +86,16 @@ def describe_family(family: str) -> FamilyDescriptor | None:
 def claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
     """Every installed family's claim on a model directory.
 
-    A claim must name the family that made it (``Claim.family`` equal to the plugin's entry-point name): model
-    hooks are routed by that name, so a mismatch would silently ask nobody. It is refused here instead.
+    A family that does not implement ``detect_config`` claims a config whose ``model_type`` is one of the
+    ``model_types`` of its ``describe_family`` (stated once, there). A claim must name the family that made it
+    (``Claim.family`` equal to the plugin's entry-point name): model hooks are routed by that name, so a mismatch
+    would silently ask nobody. It is refused here instead.
     """
-    found = []
+    pm = plugins.manager()
+    detectors = pm.hook.detect_config.get_hookimpls()
+    found = [*_claims_by_model_type(config, {impl.plugin_name for impl in detectors})]
     # reversed: the order pluggy itself calls them in (last registered first)
-    for impl in reversed(plugins.manager().hook.detect_config.get_hookimpls()):
+    for impl in reversed(detectors):
         claim = impl.function(**_kwargs(impl.argnames, model_dir=model_dir, config=config))
         if claim is None:
             continue
@@ -100,6 +104,27 @@ def claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
                               f"{claim.family!r}", f"its Claim.family must be its entry-point name "
                               f"{impl.plugin_name!r} (fix the plugin, or its entry point)")
         found.append(claim)
+    return found
+
+
+def claim_by_model_type(family: FamilyDescriptor, config: Mapping[str, Any] | None) -> Claim | None:
+    """The default claim: ``config.json``'s ``model_type`` is one of the family's ``model_types``. A family's
+    ``detect_config`` may simply return this (``claim_by_model_type(describe_family(), config)``); a family that
+    does not implement ``detect_config`` at all is claimed this way by core."""
+    model_type = config.get("model_type") if config else None
+    if isinstance(model_type, str) and model_type in family.model_types:
+        return Claim(family.name, model_type, f"config.json model_type {model_type!r}")
+    return None
+
+
+def _claims_by_model_type(config: Mapping[str, Any] | None, detectors: set[str]) -> list[Claim]:
+    found = []
+    for impl in reversed(plugins.manager().hook.describe_family.get_hookimpls()):
+        if impl.plugin_name in detectors:
+            continue
+        claim = claim_by_model_type(impl.function(), config)
+        if claim is not None:
+            found.append(Claim(impl.plugin_name, claim.model_type, claim.reason))
     return found
 
 

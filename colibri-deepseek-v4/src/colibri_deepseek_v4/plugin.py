@@ -9,11 +9,12 @@ layer), keeps one KV head, and hash-routes tokens in its first layers.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl
+from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
+from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
@@ -22,7 +23,6 @@ from colibri.records import (
 
 FAMILY = "deepseek-v4"
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
-F32 = 4
 
 # What transformers assumes when a deepseek_v3 config omits the router fields (its saves do).
 V3_ROUTER_DEFAULTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
@@ -39,10 +39,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:
@@ -142,12 +139,12 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     if model.model_type == "deepseek_v4":
         return _geometry_v4(model, cfg, where)
     r = _read_mla(cfg, where)
-    per_layer = (r["kv_lora"] + r["rope_dim"]) * F32
+    per_layer = kv_bytes(r["kv_lora"] + r["rope_dim"])
     notes = [("MLA", f"kv_lora_rank {r['kv_lora']}, rope dim {r['rope_dim']}, q_lora_rank {r['q_lora'] or 'none'}")]
     attention = "MLA (compressed KV)"
     if model.model_type == "deepseek_v32":
         index_dim = configs.optional_int(cfg, "index_head_dim", default=128, where=where)
-        per_layer += index_dim * F32
+        per_layer += kv_bytes(index_dim)
         attention = "MLA + DSA lightning indexer"
         notes.append(("DSA", f"index_topk {cfg.get('index_topk', 2048)}, {cfg.get('index_n_heads', 64)} heads"))
     notes += list(_router_notes(cfg, model.model_type))
@@ -191,7 +188,7 @@ def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Ge
         num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], num_experts=r["experts"], top_k=r["top_k"],
         expert_intermediate=r["expert_width"], num_shared_experts=r["shared"], moe_layers=r["moe_layers"],
         dense_layers=tuple(i for i in range(r["layers"]) if i not in r["moe_layers"]),
-        max_context=configs.max_context(cfg), kv_bytes_per_token=r["layers"] * v4_kv_row_floats(r) * F32,
+        max_context=configs.max_context(cfg), kv_bytes_per_token=kv_bytes(r["layers"] * v4_kv_row_floats(r)),
         notes=notes,
     )
 
@@ -398,54 +395,17 @@ def _check_router(cfg: Mapping[str, Any], where: str) -> None:
                               f"the engine implements {key} {want!r} (DeepSeek-V3's router)")
 
 
-def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, and the softmax scale: DeepSeek multiplies
-    qk_head_dim^-0.5 by mscale(factor, mscale_all_dim)^2 whenever the rope type is not default. YaRN's cos/sin
-    factor follows transformers' _compute_yarn_parameters."""
-    scaling, values = rope.scaling or {}, {}
-    scale = qk_head_dim ** -0.5
-    if rope.rope_type in ("linear", "llama3", "yarn"):
-        factor = scaling.get("factor")
-        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-        if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
-            factor = cfg["max_position_embeddings"] / orig
-        if factor is None:
-            raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
-                              "restore the checkpoint's original config.json")
-        values["rope_factor"] = repr(float(factor))
-        if scaling.get("mscale_all_dim"):
-            scale *= _yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"])) ** 2
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
-    if rope.rope_type == "yarn":
-        if not orig:
-            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
-                              "restore the checkpoint's original config.json")
-        factor = float(values["rope_factor"])
-        attention = scaling.get("attention_factor")
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if attention is None:
-            attention = (_yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
-                         if mscale and mscale_all_dim else _yarn_get_mscale(factor))
-        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
-                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
-                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
-                      rope_truncate=int(bool(scaling.get("truncate", True))))
-    values["attention_scale"] = repr(scale)
-    return values
+    """RoPE scaling settings as the engine reads them, and DeepSeek's softmax scale."""
+    return dict(rope_scaling_values(cfg, rope, where),
+                attention_scale=repr(mla_softmax_scale(cfg, rope, qk_head_dim, where)))
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the DeepSeek engine, resolved from config.json."""
     cfg, where = model.config, _where(model)
     if model.model_type == "deepseek_v4":
-        return _as_set_args(engine_hparams_v4(model))
+        return set_args(engine_hparams_v4(model))
     if engine_source(model) is None:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
                           f"the deepseek engine runs {', '.join(ENGINES)}")
@@ -488,17 +448,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     else:
         values.update(attention="mla", rope_interleave=int(bool(cfg.get("rope_interleave", True))))
     values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
-
-
-def _as_set_args(values: Mapping[str, Any]) -> tuple[str, ...]:
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 # transformers' DeepseekV4Config defaults, for configs that omit a field.
