@@ -60,9 +60,11 @@ _references: dict[str, tuple[list[int], object]] = {}   # source directory -> (t
 def quality_source(kind: str, root: Path, **overrides) -> Path:
     """The tiny ``kind`` checkpoint (seed 5, ``moe_intermediate_size`` 64 unless ``overrides`` say otherwise) with
     its experts re-scaled, built once under ``root``."""
-    from .tiny import tiny_model
+    from .tiny import tiny_config, tiny_model
 
-    width = {"intermediate_size": 64} if kind == "olmoe" else {"moe_intermediate_size": 64}
+    # the routed experts' width: moe_intermediate_size where the config has one, else (all-MoE configs such as
+    # OLMoE's) intermediate_size
+    width = {"moe_intermediate_size" if "moe_intermediate_size" in tiny_config(kind) else "intermediate_size": 64}
     built = tiny_model(kind, root / "tiny", **{"seed": 5, **width, **overrides}).path
     source = root / f"{built.name}-rescaled"
     if not source.exists():
