@@ -102,6 +102,27 @@ def families_with_engines() -> list[str]:
     return [name for name, fam in plugins.families().items() if not fam.error and family_engine_source(name)]
 
 
+def runtime_api() -> int:
+    """The runtime's C API version, ``CB_RUNTIME_API`` in ``runtime/api.h``."""
+    header = RUNTIME_DIR / "api.h"
+    found = re.search(r"^#define CB_RUNTIME_API (\d+)\b", header.read_text(encoding="utf-8"), re.M) \
+        if header.is_file() else None
+    if found is None:
+        raise BuildError(f"{header}: no '#define CB_RUNTIME_API <n>'", "reinstall colibri-core")
+    return int(found.group(1))
+
+
+def check_runtime_api(source: EngineSource) -> None:
+    """Refuse an engine written for another version of the runtime's C API, before compiling it."""
+    if source.runtime_api is None:
+        return
+    have = runtime_api()
+    if source.runtime_api != have:
+        raise BuildError(f"engine {source.name} is written for colibri runtime API {source.runtime_api}, but the "
+                         f"installed colibri-core provides API {have}",
+                         "install the family and colibri-core releases that go together (pip install -U both)")
+
+
 def _first_error_lines(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)] or lines
@@ -142,6 +163,7 @@ def _spinner(message: str):
 
 def build(source: EngineSource, force: bool = False) -> Path:
     """Compile ``source`` with the runtime unless an identical build is cached; returns the binary."""
+    check_runtime_api(source)
     compiler = find_compiler()
     final = binary_path(source, compiler)
     if final.is_file() and not force:

@@ -174,6 +174,8 @@ class EngineSource:
     sources: tuple[Path, ...]
     include_dirs: tuple[Path, ...] = ()
     defines: tuple[str, ...] = ()
+    runtime_api: int | None = None         # the runtime C API version (CB_RUNTIME_API) the sources are written
+                                           # for; the builder refuses another with one line (None: not checked)
 
 
 @dataclass(frozen=True)

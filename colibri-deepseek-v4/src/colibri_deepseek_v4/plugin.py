@@ -371,14 +371,16 @@ def limits(model: ResolvedModel) -> Limits:
                   quant_schemes=() if model.model_type == "deepseek_v4" else QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
 ENGINE_V4_C = Path(__file__).parent / "engine" / "deepseek_v4.c"
 # One binary per composition: MLA (deepseek.c: V3, V3.2) and V4 (deepseek_v4.c). Both still link both files
 # because deepseek.c's main picks V4 on --set attention=v4; once deepseek_v4.c has its own main, each source
 # tuple names its own file only.
-MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C, ENGINE_V4_C))
+MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C, ENGINE_V4_C), runtime_api=RUNTIME_API)
 ENGINES = {"deepseek_v3": MLA_ENGINE, "deepseek_v32": MLA_ENGINE,
-           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C))}
+           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C),
+                                       runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.

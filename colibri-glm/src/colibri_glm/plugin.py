@@ -186,6 +186,7 @@ def limits(model: ResolvedModel) -> Limits:
                   quant_schemes=QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "glm.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -193,7 +194,7 @@ ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 @hookimpl
 def engine_source(model: ResolvedModel | None) -> EngineSource:
-    return EngineSource(name="colibri-glm", sources=(ENGINE_C,))
+    return EngineSource(name="colibri-glm", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 
 
 def _indexer_layers(cfg: Mapping[str, Any], n: int, where: str) -> str:

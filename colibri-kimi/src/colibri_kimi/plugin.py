@@ -205,13 +205,16 @@ def limits(model: ResolvedModel) -> Limits:
                   reason_no_engine=f"no engine for {model.model_type}")
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
 ENGINE_LINEAR_C = Path(__file__).parent / "engine" / "kimi_linear.c"
 # One binary per composition: Kimi K2 (kimi.c) and Kimi Linear (kimi_linear.c). Both still link both files
 # because kimi.c's main picks the composition from --set model_type; once each file has its own main, each
 # source tuple names its own file only.
-ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C)),
-           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_C, ENGINE_LINEAR_C))}
+ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C),
+                                   runtime_api=RUNTIME_API),
+           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_C, ENGINE_LINEAR_C),
+                                       runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +

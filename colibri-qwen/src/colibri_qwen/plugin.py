@@ -183,6 +183,7 @@ def limits(model: ResolvedModel) -> Limits:
                   has_engine=engine_source(model) is not None, quant_schemes=QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "qwen.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
@@ -190,7 +191,7 @@ ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
 
 @hookimpl
 def engine_source(model: ResolvedModel | None) -> EngineSource:
-    return EngineSource(name="colibri-qwen", sources=(ENGINE_C,))
+    return EngineSource(name="colibri-qwen", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 
 
 def _rope_args(cfg: Mapping[str, Any], where: str, hybrid: bool) -> dict[str, Any]:

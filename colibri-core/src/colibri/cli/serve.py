@@ -107,7 +107,7 @@ def serve_command(
     experts_k: Optional[int] = ExpertsKOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
-    cors_origin: list[str] | None = typer.Option(  # noqa: B008
+    cors_origin: list[str] | None = typer.Option(
         None, "--cors-origin", metavar="ORIGIN",
         help="Allow browser requests from this origin (repeatable; CORS is off without it)."),
     max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "

@@ -219,7 +219,7 @@ class GenerationRun:
         except EngineError as exc:
             loop.call_soon_threadsafe(put, ("died", exc))
             loop.call_soon_threadsafe(self.s.host.report_death, self._engine, exc)
-        except Exception as exc:  # noqa: BLE001 - a broken event must end this request, not leak the slot
+        except Exception as exc:
             loop.call_soon_threadsafe(put, ("died", EngineError(f"engine event could not be read: {exc}")))
         finally:
             loop.call_soon_threadsafe(lease.release)

@@ -43,7 +43,7 @@ def rescale_experts(src: Path, dst: Path) -> Path:
         with safe_open(str(shard), "np") as f:
             meta = f.metadata()
             tensors = {}
-            for name in f.keys():   # noqa: SIM118 (safe_open is not a mapping)
+            for name in f.keys():
                 t = f.get_tensor(name)
                 if name in experts:
                     t = (t / t.std() / math.sqrt(t.shape[1])).astype(t.dtype)
