@@ -63,6 +63,7 @@ def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool
         limits = hooks.limits(model)
         if limits is not None and not limits.has_engine:
             return False, f"no engine ({limits.reason_no_engine})" if limits.reason_no_engine else "no engine"
+    builder: Any
     try:
         from . import builder
     except ModuleNotFoundError as exc:
@@ -176,7 +177,7 @@ def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
                 worst = max(past_end, key=lambda t: t.end)
                 problems.append(f"{file}: truncated: tensor {worst.name!r} ends at byte {worst.end} but the file "
                                 f"has {header.file_size} bytes")
-            if weight_map is not None:
+            if weight_map is not None and shard_set.index_file is not None:    # the map is read from the index
                 listed = {n for n, f in weight_map.items() if shard_set.directory / f == file}
                 for name in sorted(listed - held):
                     problems.append(f"{file}: tensor {name!r} is listed in {shard_set.index_file.name} "

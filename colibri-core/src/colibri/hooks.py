@@ -9,7 +9,7 @@ documentation, are ``colibri.hookspecs``; ``docs/hooks.md`` describes each for p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from . import plugins
 from .errors import EngineError, FamilyError
@@ -79,7 +79,7 @@ def describe_family(family: str) -> FamilyDescriptor | None:
     Exceptions of the family's implementation propagate (``coli families`` reports them on the family's row)."""
     for impl in plugins.manager().hook.describe_family.get_hookimpls():
         if impl.plugin_name == family:
-            return impl.function()
+            return cast("FamilyDescriptor | None", impl.function())
     return None
 
 
@@ -96,7 +96,7 @@ def claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
     found = [*_claims_by_model_type(config, {impl.plugin_name for impl in detectors})]
     # reversed: the order pluggy itself calls them in (last registered first)
     for impl in reversed(detectors):
-        claim = impl.function(**_kwargs(impl.argnames, model_dir=model_dir, config=config))
+        claim = cast("Claim | None", impl.function(**_kwargs(impl.argnames, model_dir=model_dir, config=config)))
         if claim is None:
             continue
         if claim.family != impl.plugin_name:
@@ -122,7 +122,7 @@ def _claims_by_model_type(config: Mapping[str, Any] | None, detectors: set[str])
     for impl in reversed(plugins.manager().hook.describe_family.get_hookimpls()):
         if impl.plugin_name in detectors:
             continue
-        claim = claim_by_model_type(impl.function(), config)
+        claim = claim_by_model_type(cast(FamilyDescriptor, impl.function()), config)
         if claim is not None:
             found.append(Claim(impl.plugin_name, claim.model_type, claim.reason))
     return found

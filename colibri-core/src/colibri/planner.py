@@ -112,7 +112,7 @@ def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout:
     routed_per_token = top_k * expert_bytes * moe_layers
     bandwidth = float(request.disk_bandwidth)
     tok_s = bandwidth / routed_per_token if bandwidth > 0 and routed_per_token > 0 else 0.0
-    if inv.skipped_bytes:
+    if inv.skipped_bytes and layout is not None:
         notes.append(f"{inv.skipped_bytes} bytes of tensors under {', '.join(layout.skipped_prefixes)} "
                      "are never loaded")
     result = ResourcePlan(

@@ -13,7 +13,7 @@ from .records import Geometry, TensorLayout
 
 
 def _skipped(name: str, layout: TensorLayout | None) -> bool:
-    return bool(layout) and any(name.startswith(p) for p in layout.skipped_prefixes)
+    return layout is not None and any(name.startswith(p) for p in layout.skipped_prefixes)
 
 
 @dataclass(frozen=True)

@@ -419,7 +419,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     if rope.rope_type not in ENGINE_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the deepseek engine yet",
                           f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
+    d: dict[str, Any] = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
     values: dict[str, Any] = dict(
         hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
         intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
@@ -521,7 +521,7 @@ def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
     if len(r["moe_layers"]) != n:
         raise ConfigError(f"{where}: dense MLP layers are not supported by the deepseek_v4 engine",
                           "DeepSeek-V4 routes every layer through its MoE")
-    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V4_DEFAULTS.items()}
+    d: dict[str, Any] = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V4_DEFAULTS.items()}
     try:
         kinds = "".join(V4_KIND_LETTER[k] for k in r["attn"])
     except KeyError as exc:

@@ -56,7 +56,7 @@ def _read(model: ResolvedModel) -> dict[str, Any]:
     n = configs.require_int(cfg, "num_hidden_layers", where=where, minimum=1)
     hidden = configs.require_int(cfg, "hidden_size", where=where, minimum=1)
     heads = configs.require_int(cfg, "num_attention_heads", where=where, minimum=1)
-    r = dict(
+    r: dict[str, Any] = dict(
         cfg=cfg, layers=n, hidden=hidden, heads=heads, mla=model.model_type in MLA_TYPES,
         vocab=configs.require_int(cfg, "vocab_size", where=where, minimum=1),
         experts=configs.require_int(cfg, "n_routed_experts", "num_experts", "num_local_experts", where=where,

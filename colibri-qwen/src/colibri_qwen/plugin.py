@@ -165,7 +165,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             required += [f"{m}shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
             required.append(m + "shared_expert_gate.weight")
     embed = base + "embed_tokens.weight"
-    skipped = ("mtp.",) if r["hybrid"] else ()
+    skipped: tuple[str, ...] = ("mtp.",) if r["hybrid"] else ()
     if wrapper:
         skipped += ("model.visual.", "visual.")
     return TensorLayout(embeddings=(embed,) if tied else (embed, "lm_head.weight"),

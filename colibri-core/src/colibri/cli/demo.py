@@ -65,8 +65,8 @@ def demo_command(
     prompt = offered.prompt if prompt is None else prompt
     model = resolve_model(path)
     facts = load_facts(model)
-    ram_bytes = budget_for_cache_fraction(facts, DEMO_CTX, offered.cache_fraction) if ram is None else None
-    launch_spec = launch.prepare(model, ram_gib=ram if ram is not None else ram_bytes / GIB, ctx=DEMO_CTX,
+    ram_gib = ram if ram is not None else budget_for_cache_fraction(facts, DEMO_CTX, offered.cache_fraction) / GIB
+    launch_spec = launch.prepare(model, ram_gib=ram_gib, ctx=DEMO_CTX,
                                  threads=threads, facts=facts)
     plan = launch_spec.plan
     tok = hooks.load_tokenizer(model)

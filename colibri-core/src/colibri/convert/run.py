@@ -32,6 +32,7 @@ from .io import produce
 from .plan import JobPlan, ShardPlan, build_plan
 from .schemes import BY_OPTION, FLOAT_SCHEMES, NonFiniteError, ScaleOverflowError
 from .spec import DENSE_SCHEMES, EXPERT_SCHEMES
+from .verify import VerifyResult
 
 WORK_DIR = ".colibri-convert"
 JOB_FILE = "job.json"
@@ -64,7 +65,7 @@ class ConvertResult:
     seconds: float
     peak_rss_bytes: int
     already_done: bool = False
-    verified: object = None             # a VerifyResult when --verify ran
+    verified: VerifyResult | None = None   # when --verify ran
     copied_files: list[str] = field(default_factory=list)
 
 

@@ -53,6 +53,7 @@ class _Files:
 
 def _check_quant(files: _Files, st: StoredTensor, src: TensorInfo, result: VerifyResult) -> None:
     scheme = st.quant
+    assert scheme is not None, st.name    # called for quantized tensors only
     qw, sc = st.parts
     rows, cols = st.shape
     qrow = row_bytes(qw)

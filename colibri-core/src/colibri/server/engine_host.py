@@ -29,7 +29,8 @@ class EngineLike(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def submit(self, prompt, **sampling) -> Any: ...
+    @property
+    def submit(self) -> Callable[..., Any]: ...   # (prompt, **sampling) -> a request; Engine.submit names its keywords
 
     def close(self) -> None: ...
 

@@ -40,7 +40,8 @@ DISCONNECT_POLL_S = 0.5
 class Codec(Protocol):
     """Tokenizer and chat template of the served model (the same code ``coli chat`` renders with)."""
 
-    stop_ids: Sequence[int]
+    @property
+    def stop_ids(self) -> Sequence[int]: ...
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
 

@@ -75,7 +75,7 @@ def check_every_cache_size(start: Callable[[int], Engine], prompt: list[int], re
     """
     import torch
 
-    refs = list(ref_logits) if isinstance(ref_logits, (list, tuple)) else [ref_logits]
+    refs: list[Any] = list(ref_logits) if isinstance(ref_logits, (list, tuple)) else [ref_logits]
     accesses = None
     runs: dict[int, tuple[Any, dict]] = {}
     for cap in caps:

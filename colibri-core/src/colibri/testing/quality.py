@@ -13,6 +13,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..convert.quality import QualityReport
 
@@ -35,6 +36,8 @@ def rescale_experts(src: Path, dst: Path) -> Path:
 
     model = resolve_model(str(src))
     layout = hooks.tensor_layout(model)
+    if layout is None:
+        raise ValueError(f"{src}: family {model.family} has no tensor_layout: its routed experts are unknown")
     experts = {name for ex in layout.experts for name in ex.tensors}
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -54,7 +57,7 @@ def rescale_experts(src: Path, dst: Path) -> Path:
 
 
 POSITIONS = 512
-_references: dict[str, tuple[list[int], object]] = {}   # source directory -> (token ids, f32 engine logits)
+_references: dict[str, tuple[list[int], Any]] = {}   # source directory -> (token ids, f32 engine logits)
 
 
 def quality_source(kind: str, root: Path, **overrides) -> Path:
@@ -82,7 +85,7 @@ def _logits(model, ids: list[int]):
         return forced_logits(engine, ids, len(ids)).astype(np.float32).astype(np.float64)
 
 
-def _reference(source: Path) -> tuple[list[int], object]:
+def _reference(source: Path) -> tuple[list[int], Any]:
     """Token ids of the quality text and the f32 engine's logits on them, computed once per source."""
     from .. import hooks
     from ..convert.quality import default_text, token_window
