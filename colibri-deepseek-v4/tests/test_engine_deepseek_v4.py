@@ -260,3 +260,18 @@ def test_fp4_experts_and_fp8_dense_match_the_dequantized_reference(engine_binary
     write_released_pair(built.path, f4_dir, tiny_root / "v4-released-f4-reference", f4_dtype=True)
     with start(engine_binary, f4_dir) as engine:
         assert engine.generate(prompt, max_tokens=1, logits=True).logits == result.logits
+
+
+def test_coli_launch_runs_v4_on_its_own_binary(tiny_root):
+    """What `coli run` does: the model's own composition (engine_source(model)) is built and launched, and its
+    greedy tokens are transformers'."""
+    from colibri import launch
+    from colibri.model import resolve_model
+
+    built = tiny_model("deepseek_v4", tiny_root, seed=0)
+    spec = launch.prepare(resolve_model(built.path), ctx=128, threads=2)
+    assert Path(spec.argv[0]).name == "colibri-deepseek-v4"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(built.path, dtype=torch.float32).eval()
+    prompt, _, ref_tokens = pick_prompt(reference, n=8)
+    with launch.start(spec) as engine:
+        assert engine.generate(prompt, max_tokens=8).tokens == ref_tokens
