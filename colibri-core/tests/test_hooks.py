@@ -280,3 +280,15 @@ def test_coli_families_lists_a_misnamed_descriptor_as_broken(no_installed_plugin
     plugins.register(Misnamed(), "misnamed")
     (row,) = family_rows()
     assert row["status"] == "broken" and "entry point is 'misnamed'" in row["error"]
+
+
+def test_limits_leave_max_context_to_the_geometry(olmoe):
+    """A family states the model's context once (Geometry.max_context); Limits.max_context 0 defers to it."""
+    from colibri.errors import UsageError
+    from colibri.launch import check_limits
+
+    limits = Limits(has_engine=True)
+    check_limits(olmoe, limits, 4096, 1, model_context=4096)
+    with pytest.raises(UsageError, match="--ctx 4097 exceeds the 4096 tokens"):
+        check_limits(olmoe, limits, 4097, 1, model_context=4096)
+    check_limits(olmoe, limits, 1 << 20, 1)                       # nothing known: nothing to refuse

@@ -124,7 +124,9 @@ def default_threads() -> int:
     return max(1, len(cores))
 
 
-def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: int) -> None:
+def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: int, model_context: int = 0) -> None:
+    """Refuse flags past the family's limits; ``model_context`` (the geometry's) bounds ``--ctx`` when the limits
+    leave ``max_context`` at 0."""
     if limits is None:
         raise EngineError(f"family {model.family} states no limits for {model.path}",
                           f"the {model.family} plugin must implement the limits hook")
@@ -133,9 +135,10 @@ def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: i
         raise EngineError(f"{model.family} cannot run {model.path}: {reason}", "coli families shows what runs")
     if ctx < 1:
         raise UsageError(f"--ctx {ctx}: must be at least 1", "for example --ctx 4096")
-    if ctx > limits.max_context:
-        raise UsageError(f"--ctx {ctx} exceeds the {limits.max_context} tokens {model.family} supports for this model",
-                         f"pass --ctx {limits.max_context} or less")
+    bound = limits.max_context or model_context
+    if bound and ctx > bound:
+        raise UsageError(f"--ctx {ctx} exceeds the {bound} tokens {model.family} supports for this model",
+                         f"pass --ctx {bound} or less")
     if slots < 1 or slots > limits.max_kv_slots:
         raise UsageError(f"--slots {slots}: {model.family} supports 1 to {limits.max_kv_slots} slots",
                          f"pass --slots {min(max(slots, 1), limits.max_kv_slots)}")
@@ -201,7 +204,7 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv."""
     facts = facts or load_facts(model)
     ctx = default_ctx(facts) if ctx is None else int(ctx)
-    check_limits(model, facts.limits, ctx, slots)
+    check_limits(model, facts.limits, ctx, slots, facts.geometry.max_context)
     check_container(facts)
     if cap is not None and cap < 0:
         raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")

@@ -125,7 +125,7 @@ class TensorLayout:
 class Limits:
     """What a family's engine supports; values past these are refused, never silently ignored."""
 
-    max_context: int
+    max_context: int = 0                   # the longest --ctx the engine takes; 0: the model's own (Geometry's)
     max_kv_slots: int = 64
     weight_dtypes: tuple[str, ...] = ("F32", "BF16", "F16")
     has_engine: bool = False

@@ -138,9 +138,10 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
     if kv_slots < 1:
         raise UsageError(f"--kv-slots {kv_slots}: must be at least 1", "pass --kv-slots N with N >= 1")
     if limits is not None:
-        if limits.max_context and ctx > limits.max_context:
+        bound = limits.max_context or g.max_context      # 0: the model's own context bounds the engine's
+        if bound and ctx > bound:
             raise UsageError(f"--ctx {ctx} exceeds the {facts.model.family} engine's limit of "
-                             f"{limits.max_context} tokens", f"pass --ctx {limits.max_context} or less")
+                             f"{bound} tokens", f"pass --ctx {bound} or less")
         if limits.max_kv_slots and kv_slots > limits.max_kv_slots:
             raise UsageError(f"--kv-slots {kv_slots} exceeds the {facts.model.family} engine's limit of "
                              f"{limits.max_kv_slots}", f"pass --kv-slots {limits.max_kv_slots} or less")
