@@ -20,7 +20,6 @@ TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables",
                      "nox",         # the layout test checks `nox -l`
                      "hypothesis")  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
-RUFF_ARGS = ("--line-length", "120", "--target-version", "py310", "--select", "E,F,W,B", "--ignore", "B008,B905")
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
@@ -92,11 +91,22 @@ def integration(session: nox.Session) -> None:
     run_pytest(session, [ROOT / "tests"])
 
 
+def source_packages() -> list[str]:
+    """The import packages of core and every plugin (``colibri-x/src/<package>``), for the type checker."""
+    return [str(p.relative_to(ROOT)) for name in packages() for p in sorted((ROOT / name / "src").iterdir())
+            if (p / "__init__.py").is_file()]
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole repository (settings here: line length 120, rules E, F, W, B; typer's B008 idiom allowed)."""
-    session.install("ruff")
-    session.run("ruff", "check", *RUFF_ARGS, *session.posargs, str(ROOT))
+    """ruff over the whole repository, then mypy on core and every plugin (settings: the root pyproject.toml)."""
+    session.install("ruff", "mypy", "pytest", "hatchling", "editables")   # pytest: colibri.testing uses it
+    # core's dependencies give mypy their types (numpy, starlette, rich, typer, pluggy); the packages themselves are
+    # read from their src/ folders (mypy_path), so the plugins need no install.
+    session.install("--no-build-isolation", "-e", str(ROOT / "colibri-core"))
+    session.run("ruff", "check", *session.posargs, str(ROOT))
+    with session.chdir(ROOT):     # mypy reads its settings (and the src/ paths) from the root pyproject.toml
+        session.run("mypy", *source_packages())
 
 
 @nox.session

@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("colibri_olmoe")
 
-from colibri.builder import build_family  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri.builder import build_family
+from colibri.testing.tiny import tiny_model
 
 TIMEOUT = 180
 

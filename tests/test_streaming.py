@@ -21,10 +21,10 @@ import pytest
 
 pytest.importorskip("colibri_olmoe")
 
-from colibri import demo, plugins  # noqa: E402
-from colibri.inventory import load_facts  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri_olmoe import synthetic  # noqa: E402
+from colibri import demo, plugins
+from colibri.inventory import load_facts
+from colibri.model import resolve_model
+from colibri_olmoe import synthetic
 
 GIB = 1024 ** 3
 # ~345 MB of f32: 6 MoE layers x 32 experts x 1.5 MiB, plus attention, embeddings and head.

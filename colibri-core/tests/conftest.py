@@ -98,10 +98,11 @@ def tiny_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_olmoe(tiny_root):
-    """The pristine tiny OLMoE (TinyModel: .path, .num_parameters). Tests must not modify it: use ``olmoe_copy``."""
-    from colibri.testing.tiny import tiny_model
+    """The pristine tiny OLMoE-layout checkpoint core writes itself (.path, .num_parameters; no torch, no family
+    package). Tests must not modify it: use ``olmoe_copy``."""
+    from tiny_checkpoint import write_checkpoint
 
-    return tiny_model("olmoe", tiny_root)
+    return write_checkpoint(tiny_root / "olmoe")
 
 
 @pytest.fixture

@@ -218,3 +218,21 @@ def test_family_without_engine(tree):
         assert "has no engine to build" in str(info.value)
     finally:
         pm.unregister(name="noengine")
+
+
+def test_runtime_api_mismatch_is_refused_before_compiling(tree):
+    (tree["runtime"] / "api.h").write_text("#define CB_RUNTIME_API 3\n")
+    assert builder.runtime_api() == 3
+    current = EngineSource(tree["source"].name, tree["source"].sources, runtime_api=3)
+    assert builder.build(current).is_file()
+    older = EngineSource(tree["source"].name, tree["source"].sources, runtime_api=2)
+    with pytest.raises(BuildError) as info:
+        builder.build(older, force=True)
+    assert "written for colibri runtime API 2" in info.value.message and "provides API 3" in info.value.message
+    assert compiles(tree["log"]) == 1                    # refused before the compiler ran
+
+
+def test_the_shipped_runtime_states_its_api():
+    from colibri.builder import RUNTIME_DIR
+
+    assert (RUNTIME_DIR / "api.h").is_file() and builder.runtime_api() >= 1

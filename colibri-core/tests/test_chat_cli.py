@@ -26,7 +26,7 @@ from colibri.prompt import Sampling
 from colibri.tokenizer import load_tokenizer_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from fakefamily import HERE, install_engine_wrapper, make_checkpoint, register  # noqa: E402
+from fakefamily import HERE, install_engine_wrapper, make_checkpoint, register
 
 
 @pytest.fixture(scope="module")

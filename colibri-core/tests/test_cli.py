@@ -178,7 +178,7 @@ def test_families_with_none_installed(no_installed_plugins):
 def _tensor_sizes(path):
     sizes = {}
     with safe_open(str(path), "np") as fh:
-        for key in fh.keys():  # noqa: SIM118 - safe_open handles are not mappings
+        for key in fh.keys():
             sizes[key] = math.prod(fh.get_slice(key).get_shape())
     return sizes
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from test_convert import _rewrite_metadata, run_convert, write_tiny  # noqa: E402
+from test_convert import _rewrite_metadata, run_convert, write_tiny
 
 HARNESS = r"""
 #include <stdio.h>

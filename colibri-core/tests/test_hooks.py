@@ -223,3 +223,72 @@ def load_plan(model):
     return plugins.family_hook(model.family, "plan_resources")(
         model=model, request=PlanRequest(1 << 30, 128), geometry=facts.geometry, layout=facts.layout,
         tensors=facts.tensors)
+
+
+def test_hook_engine_source_per_model(olmoe, family_class, tiny_olmoe):
+    """A family with two compositions names the one the model needs; without a model, its main engine."""
+    from colibri import builder, hooks
+
+    mla = EngineSource("colibri-two-mla", (Path("/nonexistent/mla.c"),))
+    linear = EngineSource("colibri-two-linear", (Path("/nonexistent/linear.c"),))
+
+    class TwoCompositions(family_class):
+        @hookimpl
+        def engine_source(self, model):
+            if model is None:
+                return mla
+            return linear if model.config.get("num_experts") == olmoe.config["num_experts"] else None
+
+    plugins.reset()
+    plugins.register(TwoCompositions(), "testolmoe")
+    assert hooks.engine_source(olmoe) == linear
+    assert hooks.family_engine_source("testolmoe") == mla
+    assert builder.family_engine_source("testolmoe") == mla
+    assert "colibri-two-linear is missing" in builder.engine_status("testolmoe", olmoe)[2]   # this model's source
+
+
+def test_typed_facade_answers_like_the_hooks(olmoe):
+    from colibri import hooks
+
+    assert hooks.tensor_layout(olmoe) == plugins.family_hook("testolmoe", "tensor_layout")(model=olmoe)
+    assert hooks.limits(olmoe) == plugins.family_hook("testolmoe", "limits")(model=olmoe)
+    assert hooks.build_env(olmoe, load_plan(olmoe)) == EngineEnv()
+    assert hooks.engine_path(olmoe) is None                      # no default: core builds engine_source instead
+    assert hooks.describe_family("other").model_types == ("othermoe",)
+
+
+def test_a_claim_must_name_its_own_entry_point(no_installed_plugins, tiny_olmoe):
+    class Misnamed:
+        @hookimpl
+        def detect_config(self, model_dir, config):
+            return Claim("olmoe", "olmoe") if config and config.get("model_type") == "olmoe" else None
+
+    plugins.register(Misnamed(), "misnamed")
+    with pytest.raises(FamilyError, match="'misnamed' claims .* as family 'olmoe'") as err:
+        resolve_model(tiny_olmoe.path)
+    assert "entry-point name" in err.value.hint
+
+
+def test_coli_families_lists_a_misnamed_descriptor_as_broken(no_installed_plugins):
+    from colibri.cli.families import family_rows
+
+    class Misnamed:
+        @hookimpl
+        def describe_family(self):
+            return FamilyDescriptor("olmoe", ("olmoe",))
+
+    plugins.register(Misnamed(), "misnamed")
+    (row,) = family_rows()
+    assert row["status"] == "broken" and "entry point is 'misnamed'" in row["error"]
+
+
+def test_limits_leave_max_context_to_the_geometry(olmoe):
+    """A family states the model's context once (Geometry.max_context); Limits.max_context 0 defers to it."""
+    from colibri.errors import UsageError
+    from colibri.launch import check_limits
+
+    limits = Limits(has_engine=True)
+    check_limits(olmoe, limits, 4096, 1, model_context=4096)
+    with pytest.raises(UsageError, match="--ctx 4097 exceeds the 4096 tokens"):
+        check_limits(olmoe, limits, 4097, 1, model_context=4096)
+    check_limits(olmoe, limits, 1 << 20, 1)                       # nothing known: nothing to refuse

@@ -15,7 +15,7 @@ from colibri.demo_tokenizer import stdlib_texts, train_bpe
 from colibri.tokenizer import load_tokenizer_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from fakefamily import MAX_CONTEXT, install_engine_wrapper, make_checkpoint, register  # noqa: E402
+from fakefamily import MAX_CONTEXT, install_engine_wrapper, make_checkpoint, register
 
 
 def expected_tokens(prompt, n, vocab, stop=()):

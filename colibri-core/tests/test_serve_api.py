@@ -13,7 +13,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, reference_text, start_server  # noqa: E402
+from serve_harness import build_tokenizer_dir, reference_text, start_server
 
 
 

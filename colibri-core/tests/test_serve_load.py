@@ -21,7 +21,7 @@ from colibri.engine import Engine
 from colibri.errors import EngineError
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, reference_text, start_server, wait_until  # noqa: E402
+from serve_harness import build_tokenizer_dir, reference_text, start_server, wait_until
 
 
 @pytest.fixture(scope="module")

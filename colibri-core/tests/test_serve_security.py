@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import build_tokenizer_dir, start_server  # noqa: E402
+from serve_harness import build_tokenizer_dir, start_server
 
 KEY = "s3cret-key-for-tests"
 

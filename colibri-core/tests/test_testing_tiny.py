@@ -9,8 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri.checkpoint import TensorIndex, default_shard_set  # noqa: E402
-from colibri.testing import tiny  # noqa: E402
+from colibri.checkpoint import TensorIndex, default_shard_set
+from colibri.testing import tiny
 
 
 @pytest.fixture(scope="module")

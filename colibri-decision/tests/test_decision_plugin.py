@@ -8,12 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import plugins  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import check_layout_against_checkpoint, resolved  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_decision import plugin  # noqa: E402
+from colibri import plugins
+from colibri.errors import ConfigError
+from colibri.model import resolve_model
+from colibri.testing.checks import check_layout_against_checkpoint, resolved
+from colibri.testing.tiny import tiny_model
+from colibri_decision import plugin
 
 # fastino/gliner2-base-v1 style: a deberta-v3-base encoder described in encoder_config.
 GLINER2_BASE = {

@@ -8,12 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import configs, plugins  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_deepseek_v4 import plugin  # noqa: E402
+from colibri import configs, plugins
+from colibri.errors import ConfigError
+from colibri.model import resolve_model
+from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent
+from colibri.testing.tiny import tiny_model
+from colibri_deepseek_v4 import plugin
 
 FAMILY = "deepseek-v4"
 KINDS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
@@ -187,3 +187,15 @@ def test_fp8_block_scales_are_read_from_the_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="quantization_config.quant_method"):
         plugin.tensor_layout(model=resolved(tmp_path, FAMILY, {**DEEPSEEK_V32,
                                                                "quantization_config": {"quant_method": "gptq"}}))
+
+
+def test_each_composition_names_its_own_engine(tmp_path):
+    from colibri.records import ResolvedModel
+
+    def source(model_type):
+        config = {"model_type": model_type}
+        return plugin.engine_source(model=ResolvedModel(tmp_path, "deepseek-v4", model_type, config))
+
+    assert source("deepseek_v3") == source("deepseek_v32") == plugin.engine_source(model=None)
+    assert source("deepseek_v3").name == "colibri-deepseek-mla" and source("deepseek_v4").name == "colibri-deepseek-v4"
+    assert source("deepseek_v4").runtime_api == plugin.RUNTIME_API

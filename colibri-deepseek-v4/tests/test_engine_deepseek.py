@@ -27,12 +27,8 @@ from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
 from colibri_deepseek_v4.plugin import engine_hparams, limits  # noqa: E402
+from colibri.testing.parity import check_every_cache_size, LOGIT_TOL, PROMPT_TOKENS, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40      # more than one prefill chunk (32), so chunked prefill is on the path
-LOGIT_TOL = 1e-4        # f32 on both sides: only summation order differs
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the tolerance cannot flip under it
-PAD = 1
 
 # name -> (kind, tiny_model overrides). DSA: 8 indexer heads (with 2, keys often score exactly 0 on every head
 # and top-k ties are broken by torch in an unspecified order). index_topk 128 >= the whole sequence (72 tokens)
@@ -75,28 +71,6 @@ def start(binary: Path, model_dir: Path, *, ctx: int = 128, cap: int = 0) -> Eng
     return Engine(argv)
 
 
-def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model):
-    """The first seeded prompt whose reference continuation has no near-tie (chosen from transformers alone)."""
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     kind, overrides = CASES[case]
@@ -107,20 +81,8 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case
     reference = transformers.AutoModelForCausalLM.from_pretrained(built.path, dtype=torch.float32).eval()
     prompt, ref_logits, ref_tokens = pick_prompt(reference)
     moe_layers = cfg["num_hidden_layers"] - 1          # tiny: one leading dense layer
-    accesses = None
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
-        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
-        assert len(stats["hits"]) == moe_layers, "only MoE layers have an expert store"
-        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
-        accesses = accesses or total
-        assert total == accesses, "expert accesses must not depend on the cache size"
-        if cap == 1:
-            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+    check_every_cache_size(lambda cap: start(engine_binary, built.path, cap=cap), prompt, ref_logits, ref_tokens,
+                           moe_layers=moe_layers, experts=cfg["n_routed_experts"])
 
 
 def test_dsa_sparse_selection_is_active(engine_binary, tiny_root):

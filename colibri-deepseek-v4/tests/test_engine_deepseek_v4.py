@@ -30,12 +30,8 @@ from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
 from colibri_deepseek_v4.plugin import engine_hparams, tensor_layout  # noqa: E402
+from colibri.testing.parity import check_every_cache_size, GREEDY_TOKENS, LOGIT_TOL, PROMPT_TOKENS, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40      # more than one prefill chunk (32), so chunked prefill is on the path
-LOGIT_TOL = 1e-4        # f32 on both sides: only summation order differs
-MIN_MARGIN = 1e-3
-PAD = 1
 RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
 BASE = dict(compress_rates=RATES, index_n_heads=8)
 
@@ -78,28 +74,6 @@ def start(binary: Path, model_dir: Path, *, ctx: int = 128, cap: int = 0) -> Eng
     return Engine(argv)
 
 
-def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model):
-    """The first seeded prompt whose reference continuation has no near-tie (chosen from transformers alone)."""
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     built = tiny_model("deepseek_v4", tiny_root, seed=0, **CASES[case])
@@ -109,20 +83,8 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case
     tid2eid = reference.model.layers[0].mlp.gate.tid2eid
     assert tid2eid.unique().numel() == cfg["n_routed_experts"], "the hash table must be randomized"
     prompt, ref_logits, ref_tokens = pick_prompt(reference)
-    accesses = None
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
-        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        assert len(stats["hits"]) == cfg["num_hidden_layers"], "every V4 layer is MoE"
-        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
-        accesses = accesses or total
-        assert total == accesses, "expert accesses must not depend on the cache size"
-        if cap == 1:
-            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+    check_every_cache_size(lambda cap: start(engine_binary, built.path, cap=cap), prompt, ref_logits, ref_tokens,
+                           moe_layers=cfg["num_hidden_layers"], experts=cfg["n_routed_experts"])
 
 
 def test_indexer_selection_is_active(engine_binary, tiny_root):
@@ -298,3 +260,18 @@ def test_fp4_experts_and_fp8_dense_match_the_dequantized_reference(engine_binary
     write_released_pair(built.path, f4_dir, tiny_root / "v4-released-f4-reference", f4_dtype=True)
     with start(engine_binary, f4_dir) as engine:
         assert engine.generate(prompt, max_tokens=1, logits=True).logits == result.logits
+
+
+def test_coli_launch_runs_v4_on_its_own_binary(tiny_root):
+    """What `coli run` does: the model's own composition (engine_source(model)) is built and launched, and its
+    greedy tokens are transformers'."""
+    from colibri import launch
+    from colibri.model import resolve_model
+
+    built = tiny_model("deepseek_v4", tiny_root, seed=0)
+    spec = launch.prepare(resolve_model(built.path), ctx=128, threads=2)
+    assert Path(spec.argv[0]).name == "colibri-deepseek-v4"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(built.path, dtype=torch.float32).eval()
+    prompt, _, ref_tokens = pick_prompt(reference, n=8)
+    with launch.start(spec) as engine:
+        assert engine.generate(prompt, max_tokens=8).tokens == ref_tokens

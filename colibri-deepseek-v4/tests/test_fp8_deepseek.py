@@ -32,12 +32,8 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from colibri_deepseek_v4.plugin import engine_hparams, tensor_layout  # noqa: E402
+from colibri.testing.parity import GREEDY_TOKENS, LOGIT_TOL, PROMPT_TOKENS, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40
-LOGIT_TOL = 1e-4
-MIN_MARGIN = 1e-3
-PAD = 1
 
 # name -> (kind, seed, overrides). Dense MLP 200 wide (two blocks, the second partial); experts 136 (two blocks)
 # or 72 (one partial block). deepseek_v32 uses seed 1: at seed 0 with these widths the float checkpoint itself
@@ -87,27 +83,6 @@ def start(binary: Path, model_dir: Path, cap: int) -> Engine:
     argv = [str(binary), "--model", str(model_dir), "--ctx", "128", "--slots", "1", "--cap", str(cap),
             "--threads", "2", *engine_hparams(resolved(model_dir))]
     return Engine(argv)
-
-
-def reference_run(model, prompt: list[int]):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model):
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

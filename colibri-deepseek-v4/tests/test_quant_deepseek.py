@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri.testing.quality import check_container_quality  # noqa: E402
+from colibri.testing.quality import check_container_quality
 
 DSA_TOPK = 64   # keys the tiny deepseek_v32's indexer keeps per query (see above)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +29,10 @@ from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
 from colibri_glm.plugin import engine_hparams, model_geometry  # noqa: E402
+from colibri.testing.parity import (  # noqa: E402
+    check_every_cache_size, LOGIT_TOL, pick_prompt, reference_run, seeded_prompt,
+)
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40      # more than one prefill chunk (32), so chunked prefill is on the path
-LOGIT_TOL = 1e-4        # f32 on both sides: only summation order differs (~5e-6 seen)
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the tolerance cannot flip under it
-PAD = 1
 F32 = 4
 
 # YaRN shrunk so the 72-token sequence runs well past the original context (16): with the tiny models' rotary
@@ -96,33 +93,6 @@ def load_reference(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
-    """transformers' prompt logits, greedy continuation, and the smallest top-1/top-2 margin along it."""
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def fixed_prompt(seed: int = 0, length: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 512) for _ in range(length)]
-
-
-def pick_prompt(model):
-    """The first seeded prompt whose reference continuation has no near-tie (chosen from transformers alone)."""
-    for seed in range(8):
-        prompt = fixed_prompt(seed)
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     kind, overrides = CASES[case]
@@ -130,27 +100,15 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case
     cfg = read_config(built.path)
     prompt, ref_logits, ref_tokens = pick_prompt(load_reference(built.path))
     moe_layers = sum(1 for i in range(cfg["num_hidden_layers"]) if i >= 1)   # tiny: one leading dense layer
-    accesses = None
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
-        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
-        assert len(stats["hits"]) == moe_layers, "only MoE layers have an expert store"
-        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
-        accesses = accesses or total
-        assert total == accesses, "expert accesses must not depend on the cache size"
-        if cap == 1:
-            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+    check_every_cache_size(lambda cap: start(engine_binary, built.path, cap=cap), prompt, ref_logits, ref_tokens,
+                           moe_layers=moe_layers, experts=cfg["n_routed_experts"])
 
 
 def test_dsa_sparse_selection_is_active(engine_binary, tiny_root):
     """Same weights, index_topk 8 vs 128: positions that hold <= 8 keys are bit-identical, later ones differ."""
     dense = tiny_model("glm_moe_dsa", tiny_root, seed=0, **CASES["glm_moe_dsa_dense"][1])
     sparse = tiny_model("glm_moe_dsa", tiny_root, seed=0, **CASES["glm_moe_dsa_sparse"][1])
-    prompt = fixed_prompt()
+    prompt = seeded_prompt(0)
     with start(engine_binary, dense.path) as engine:
         a = torch.tensor(engine.generate(prompt, max_tokens=1, logits=True).logits)
     with start(engine_binary, sparse.path) as engine:
@@ -163,7 +121,7 @@ def test_dsa_sparse_selection_is_active(engine_binary, tiny_root):
 def test_batched_prefill_is_bit_identical_to_one_token_at_a_time(engine_binary, tiny_root, case):
     kind, overrides = CASES[case]
     built = tiny_model(kind, tiny_root, seed=0, **overrides)
-    prompt = fixed_prompt(7, 37)
+    prompt = seeded_prompt(7, length=37)
     with start(engine_binary, built.path, cap=2) as engine:
         batched = engine.generate(prompt, max_tokens=1, logits=True).logits
         engine.reset(0)

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri.testing.quality import check_container_quality  # noqa: E402
+from colibri.testing.quality import check_container_quality
 
 CASES = {  # (kind, experts) -> (min top-1 agreement, max mean KL), all with --dense f32
     ("glm4_moe", "int8"): (0.96, 6e-4),

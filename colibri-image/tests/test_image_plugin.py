@@ -10,13 +10,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import plugins  # noqa: E402
-from colibri.checkpoint import TensorIndex  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import check_layout_against_checkpoint  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_image import plugin  # noqa: E402
+from colibri import plugins
+from colibri.checkpoint import TensorIndex
+from colibri.errors import ConfigError
+from colibri.model import resolve_model
+from colibri.testing.checks import check_layout_against_checkpoint
+from colibri.testing.tiny import tiny_model
+from colibri_image import plugin
 
 
 @pytest.fixture(scope="session")

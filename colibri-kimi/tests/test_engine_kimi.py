@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,8 @@ from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
 from colibri_kimi.plugin import engine_hparams, limits  # noqa: E402
+from colibri.testing.parity import check_every_cache_size, pick_prompt, reference_run  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40      # more than one prefill chunk (32), so chunked prefill is on the path
-LOGIT_TOL = 1e-4        # f32 on both sides: only summation order differs
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the tolerance cannot flip under it
-PAD = 1
 
 # YaRN as DeepSeek-V3 / Kimi K2 ship it, shrunk so a 72-token sequence crosses the original context (16) and
 # mscale != mscale_all_dim makes both the cos/sin factor and DeepSeek's softmax-scale adjustment differ from 1.
@@ -80,27 +75,6 @@ def load_reference(path: Path):
     return transformers.DeepseekV3ForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
 
 
-def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model):
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     built = tiny_model("kimi_k2", tiny_root, seed=0, **CASES[case])
@@ -108,20 +82,8 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case
     assert cfg["n_routed_experts"] >= 16 and cfg["num_experts_per_tok"] == 4
     assert (cfg["n_group"], cfg["topk_group"]) == (4, 2)
     prompt, ref_logits, ref_tokens = pick_prompt(load_reference(built.path))
-    accesses = None
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        diff = (torch.tensor(result.logits) - ref_logits).abs().max().item()
-        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
-        assert len(stats["hits"]) == cfg["num_hidden_layers"] - 1, "only MoE layers have an expert store"
-        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
-        accesses = accesses or total
-        assert total == accesses, "expert accesses must not depend on the cache size"
-        if cap == 1:
-            assert all(m > cfg["n_routed_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+    check_every_cache_size(lambda cap: start(engine_binary, built.path, cap=cap), prompt, ref_logits, ref_tokens,
+                           moe_layers=cfg["num_hidden_layers"] - 1, experts=cfg["n_routed_experts"])
 
 
 def test_coli_run_json_matches_transformers(tiny_root):

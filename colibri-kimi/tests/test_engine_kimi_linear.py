@@ -40,12 +40,8 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
 
 from colibri_kimi.plugin import engine_hparams, limits, model_geometry, tensor_layout  # noqa: E402
+from colibri.testing.parity import check_every_cache_size, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40      # > the conv kernel (4) and > one prefill chunk (32): windows and memory cross a chunk
-LOGIT_TOL = 1e-4
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the logit tolerance cannot flip under it
-PAD = 1
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
 KDA_LAYERS, MOE_LAYERS = 4, 5
 DENSE = ("gate_proj", "up_proj", "down_proj")
@@ -87,28 +83,6 @@ def load_reference(path: Path, dtype=None):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
-def reference_run(model, prompt: list[int], n: int = GREEDY_TOKENS):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model, vocab: int):
-    """A seeded random prompt whose greedy continuation is never a near-tie."""
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
-
-
 def test_matches_transformers_at_every_cache_size(engine_binary, checkpoint):
     model = resolved(checkpoint)
     cfg, geometry = model.config, model_geometry(model=model)
@@ -119,23 +93,9 @@ def test_matches_transformers_at_every_cache_size(engine_binary, checkpoint):
     prompt, ref_logits, ref_tokens = pick_prompt(reference, geometry.vocab_size)
     with torch.no_grad():
         exact = load_reference(checkpoint, torch.float64)(torch.tensor([prompt])).logits[0]
-    accesses = None
-    for cap in (1, 2, 0):
-        with start(engine_binary, checkpoint, cap=cap) as engine:
-            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        got = torch.tensor(result.logits, dtype=torch.float64)
-        error, vs_f32 = (got - exact).abs().max().item(), (got - ref_logits.double()).abs().max().item()
-        assert error <= LOGIT_TOL, f"cap {cap}: prompt logits {error:.3g} from exact"
-        assert vs_f32 <= LOGIT_TOL, f"cap {cap}: prompt logits {vs_f32:.3g} from transformers f32"
-        assert len(stats["hits"]) == MOE_LAYERS, "only MoE layers have an expert store"
-        total = [h + m for h, m in zip(stats["hits"], stats["misses"])]
-        accesses = accesses or total
-        assert total == accesses, "expert accesses must not depend on the cache size"
-        if cap == 1:
-            assert all(m > cfg["num_experts"] for m in stats["misses"]), "one slot per layer must thrash"
+    check_every_cache_size(lambda cap: start(engine_binary, checkpoint, cap=cap), prompt, (exact, ref_logits),
+                           ref_tokens, moe_layers=MOE_LAYERS, experts=cfg["num_experts"],
+                           expect_ready={"state_bytes": geometry.state_bytes_per_slot})
 
 
 def test_original_checkpoint_naming_of_the_dense_layer(engine_binary, checkpoint, tiny_root):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -31,12 +30,8 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from colibri_kimi.plugin import engine_hparams, tensor_layout  # noqa: E402
+from colibri.testing.parity import GREEDY_TOKENS, LOGIT_TOL, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-PROMPT_TOKENS = 40
-LOGIT_TOL = 1e-4
-MIN_MARGIN = 1e-3
-PAD = 1
 OVERRIDES = {"intermediate_size": 200, "moe_intermediate_size": 136}
 
 
@@ -70,27 +65,6 @@ def load_reference(path: Path):
     data["model_type"] = "deepseek_v3"
     config = transformers.DeepseekV3Config.from_dict(data)
     return transformers.DeepseekV3ForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
-
-
-def reference_run(model, prompt: list[int]):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model):
-    for seed in range(8):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(PROMPT_TOKENS)]
-        logits, tokens, margin = reference_run(model, prompt)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 8 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {GREEDY_TOKENS} tokens")
 
 
 def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(engine_binary, models):

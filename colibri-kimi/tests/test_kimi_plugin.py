@@ -8,12 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import plugins  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_kimi import plugin  # noqa: E402
+from colibri import plugins
+from colibri.errors import ConfigError
+from colibri.model import resolve_model
+from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent
+from colibri.testing.tiny import tiny_model
+from colibri_kimi import plugin
 
 KINDS = ("kimi_k2", "kimi_linear")
 
@@ -141,3 +141,14 @@ def test_kimi_k2_fp8_scales(tmp_path):
     assert len(next(x for x in layout.experts if (x.layer, x.expert) == (1, 0)).tensors) == 6
     assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in layout.buffers
     assert not any("scale_inv" in n for n in layout.required)
+
+
+def test_each_composition_names_its_own_engine(tmp_path):
+    from colibri.records import ResolvedModel
+
+    def source(model_type):
+        return plugin.engine_source(model=ResolvedModel(tmp_path, "kimi", model_type, {"model_type": model_type}))
+
+    assert source("kimi_k2").name == "colibri-kimi" == plugin.engine_source(model=None).name
+    assert source("kimi_linear").name == "colibri-kimi-linear"
+    assert source("kimi_k2").runtime_api == source("kimi_linear").runtime_api == plugin.RUNTIME_API

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri.testing.quality import check_container_quality  # noqa: E402
+from colibri.testing.quality import check_container_quality
 
 CASES = {  # experts -> (min top-1 agreement, max mean KL), with --dense f32
     "int8": (0.95, 4.5e-3),

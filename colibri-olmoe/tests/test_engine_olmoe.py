@@ -27,11 +27,8 @@ from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri_olmoe.plugin import engine_hparams  # noqa: E402
+from colibri.testing.parity import GREEDY_TOKENS, LOGIT_TOL, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-LOGIT_TOL = 1e-4        # f32 weights, f32 arithmetic on both sides: only summation order differs (~1e-6 seen)
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the logit tolerance cannot flip under it
-PAD = 1                 # the tiny tokenizer's pad id: transformers masks it out of an un-masked prompt
 
 # name -> tiny_model overrides. Together: MHA and GQA, norm_topk_prob on and off, tied and untied, clip_qkv,
 # >= 16 experts top-4.
@@ -68,31 +65,6 @@ def load_reference(path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model
-
-
-def reference_run(model, prompt: list[int], n: int):
-    """transformers' prompt logits, greedy continuation, and the smallest top-1/top-2 margin along it."""
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    steps = torch.cat(out.logits, 0)
-    top2 = steps.topk(2, dim=-1).values
-    margin = (top2[:, 0] - top2[:, 1]).min().item()
-    return logits, out.sequences[0, len(prompt):].tolist(), margin
-
-
-def pick_prompt(model, vocab: int, length: int, n: int = GREEDY_TOKENS):
-    """A seeded random prompt whose greedy continuation is never a near-tie (so the comparison is meaningful)."""
-    for seed in range(12):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, vocab) for _ in range(length)]
-        ref_logits, ref_tokens, margin = reference_run(model, prompt, n)
-        if margin >= MIN_MARGIN:
-            return prompt, ref_logits, ref_tokens
-    pytest.fail(f"no prompt of 12 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {n} greedy tokens")
 
 
 def expert_bytes(model_dir: Path, layer: int = 0) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri_olmoe.plugin import NANO_DIR, NANO_INT8_DIR, engine_hparams  # noqa: E402
+from colibri_olmoe.plugin import NANO_DIR, NANO_INT8_DIR, engine_hparams
 
 TRAINING = Path(__file__).resolve().parents[1] / "training" / "train_nano.py"
 # Candidates in order; the first three whose greedy path has no near-tie are compared (a trained model can have a

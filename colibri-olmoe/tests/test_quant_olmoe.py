@@ -20,19 +20,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from colibri.builder import build_family  # noqa: E402
-from colibri.cli import app  # noqa: E402
-from colibri.convert.container import open_container  # noqa: E402
-from colibri.convert.quality import default_text, run_quality  # noqa: E402
-from colibri.convert.run import convert  # noqa: E402
-from colibri.engine import Engine  # noqa: E402
-from colibri.model import read_config  # noqa: E402
-from colibri.records import ResolvedModel  # noqa: E402
-from colibri.testing.quality import rescale_experts  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_olmoe.plugin import engine_hparams  # noqa: E402
+from colibri.builder import build_family
+from colibri.cli import app
+from colibri.convert.container import open_container
+from colibri.convert.quality import default_text, run_quality
+from colibri.convert.run import convert
+from colibri.engine import Engine
+from colibri.model import read_config
+from colibri.records import ResolvedModel
+from colibri.testing.quality import rescale_experts
+from colibri.testing.tiny import tiny_model
+from colibri_olmoe.plugin import engine_hparams
 
 POSITIONS = 512
 
@@ -235,7 +235,7 @@ def test_truncated_scale_tensor_is_fatal_naming_it(engine_binary, models, tmp_pa
     victim = "model.layers.0.mlp.experts.3.up_proj.scales"
     with safe_open(shard, "pt") as f:
         meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}   # noqa: SIM118 (safe_open is not a mapping)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors[victim] = tensors[victim][: len(tensors[victim]) // 2]
     save_file(tensors, str(shard), metadata=meta)
     one_line_error(coli_run(broken), victim)

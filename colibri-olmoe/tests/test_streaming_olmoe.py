@@ -20,13 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri import launch  # noqa: E402
-from colibri.builder import build_family  # noqa: E402
-from colibri.engine import Engine  # noqa: E402
-from colibri.model import read_config  # noqa: E402
-from colibri.records import ResolvedModel  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_olmoe.plugin import engine_hparams  # noqa: E402
+from colibri import launch
+from colibri.builder import build_family
+from colibri.engine import Engine
+from colibri.model import read_config
+from colibri.records import ResolvedModel
+from colibri.testing.tiny import tiny_model
+from colibri_olmoe.plugin import engine_hparams
 
 DECODE = 12
 GEOMETRY = {"num_layers": 3, "num_experts": 16, "top_k": 4}

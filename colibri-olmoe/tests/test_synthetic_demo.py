@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri_olmoe.synthetic import DemoSpec, ensure_checkpoint, write_checkpoint  # noqa: E402
+from colibri_olmoe.synthetic import DemoSpec, ensure_checkpoint, write_checkpoint
 
 TINY = DemoSpec(hidden=64, layers=3, heads=4, experts=16, top_k=4, expert_width=32, vocab=600,
                 layers_per_shard=2, tokenizer_corpus_bytes=150_000)

@@ -52,11 +52,8 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
 
 from colibri_qwen.plugin import engine_hparams, model_geometry  # noqa: E402
+from colibri.testing.parity import check_every_cache_size, GREEDY_TOKENS, LOGIT_TOL, pick_prompt  # noqa: E402
 
-GREEDY_TOKENS = 32
-LOGIT_TOL = 1e-4
-MIN_MARGIN = 1e-3       # a top-1/top-2 gap ten times the logit tolerance cannot flip under it
-PAD = 1
 HYBRID_LAYERS = 8       # L L L F L L L F: each attention kind at least twice
 
 # name -> (tiny kind, overrides). Together: qkv bias + shared expert + a dense mlp_only layer (qwen2_moe), per-head
@@ -147,28 +144,6 @@ def exact_logits(path: Path, prompt: list[int]):
     return logits
 
 
-def reference_run(model, prompt: list[int], n: int):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model, vocab: int, length: int, n: int = GREEDY_TOKENS):
-    """A seeded random prompt whose greedy continuation is never a near-tie."""
-    for seed in range(12):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, vocab) for _ in range(length)]
-        logits, tokens, margin = reference_run(model, prompt, n)
-        if margin >= MIN_MARGIN:
-            return prompt, logits, tokens
-    pytest.fail(f"no prompt of 12 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {n} greedy tokens")
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, variant):
     built = build(tiny_root, variant, seed=LOGIT_SEEDS.get(variant, 3))
@@ -181,17 +156,9 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, vari
     exact = exact_logits(built.path, prompt)
     hf_error = (ref_logits.double() - exact).abs().max().item()
     moe_layers = len(geometry.moe_layers)
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        error = (torch.tensor(result.logits, dtype=torch.float64) - exact).abs().max().item()
-        assert error <= LOGIT_TOL, f"cap {cap}: prompt logits {error:.3g} from exact (transformers f32: {hf_error:.3g})"
-        assert len(stats["hits"]) == moe_layers
-        if cap == 1:
-            assert all(m > 0 for m in stats["misses"])
+    check_every_cache_size(lambda cap: start(engine_binary, built.path, cap=cap), prompt, exact, ref_tokens,
+                           moe_layers=moe_layers,
+                           expect_ready={"state_bytes": geometry.state_bytes_per_slot})
     if variant in HYBRIDS:
         assert geometry.state_bytes_per_slot > 0
     else:

@@ -33,12 +33,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri.convert.container import open_container  # noqa: E402
-from colibri.convert.run import convert  # noqa: E402
-from colibri.launch import open_engine  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.quality import check_container_quality  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri.convert.container import open_container
+from colibri.convert.run import convert
+from colibri.launch import open_engine
+from colibri.model import resolve_model
+from colibri.testing.quality import check_container_quality
+from colibri.testing.tiny import tiny_model
 
 CASES = {  # (kind, experts) -> (min top-1 agreement, max mean KL), all with --dense f32
     ("qwen2_moe", "int8"): (0.96, 4e-4),

@@ -8,12 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import plugins  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_qwen import plugin  # noqa: E402
+from colibri import plugins
+from colibri.errors import ConfigError
+from colibri.model import resolve_model
+from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent
+from colibri.testing.tiny import tiny_model
+from colibri_qwen import plugin
 
 KINDS = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from colibri import plugins  # noqa: E402
-from colibri.cli import app  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
+from colibri import plugins
+from colibri.cli import app
+from colibri.testing.tiny import tiny_model
+from colibri.tokenizer import load_tokenizer_dir
 
 # Qwen3's rule, reduced to what matters here: --no-think pre-fills an empty think block.
 THINKING_TEMPLATE = (

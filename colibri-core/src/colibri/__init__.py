@@ -6,9 +6,12 @@ disk into a bounded cache. Families (OLMoE, Qwen, GLM, DeepSeek, Kimi, ...) are 
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pluggy
 
-__version__ = "0.1.0"
+# The version is stated once, in pyproject.toml; the installed distribution's metadata carries it here.
+__version__ = metadata.version("colibri-core")
 
 hookimpl = pluggy.HookimplMarker("colibri")
 

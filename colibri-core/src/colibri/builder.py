@@ -19,11 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import plugins
+from . import hooks, plugins
 from .cachedir import cache_root, file_lock
 from .compiler import CFLAGS, LDLIBS, Compiler, find_compiler
 from .errors import BuildError, EngineError
-from .records import EngineSource
+from .records import EngineSource, ResolvedModel
 
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 HASH_CHARS = 16
@@ -94,14 +94,33 @@ def binary_path(source: EngineSource, compiler: Compiler) -> Path:
 
 
 def family_engine_source(family: str) -> EngineSource | None:
-    """The family's ``engine_source`` answer, or None when it has no engine (yet)."""
-    if family not in plugins.families() and family not in dict(plugins.manager().list_name_plugin()):
-        raise EngineError(f"family {family!r} is not installed", "coli families lists the installed ones")
-    return plugins.family_hook(family, "engine_source")()
+    """The family's main ``engine_source`` (asked without a model), or None when it has no engine (yet)."""
+    return hooks.family_engine_source(family)
 
 
 def families_with_engines() -> list[str]:
     return [name for name, fam in plugins.families().items() if not fam.error and family_engine_source(name)]
+
+
+def runtime_api() -> int:
+    """The runtime's C API version, ``CB_RUNTIME_API`` in ``runtime/api.h``."""
+    header = RUNTIME_DIR / "api.h"
+    found = re.search(r"^#define CB_RUNTIME_API (\d+)\b", header.read_text(encoding="utf-8"), re.M) \
+        if header.is_file() else None
+    if found is None:
+        raise BuildError(f"{header}: no '#define CB_RUNTIME_API <n>'", "reinstall colibri-core")
+    return int(found.group(1))
+
+
+def check_runtime_api(source: EngineSource) -> None:
+    """Refuse an engine written for another version of the runtime's C API, before compiling it."""
+    if source.runtime_api is None:
+        return
+    have = runtime_api()
+    if source.runtime_api != have:
+        raise BuildError(f"engine {source.name} is written for colibri runtime API {source.runtime_api}, but the "
+                         f"installed colibri-core provides API {have}",
+                         "install the family and colibri-core releases that go together (pip install -U both)")
 
 
 def _first_error_lines(stderr: str) -> str:
@@ -144,6 +163,7 @@ def _spinner(message: str):
 
 def build(source: EngineSource, force: bool = False) -> Path:
     """Compile ``source`` with the runtime unless an identical build is cached; returns the binary."""
+    check_runtime_api(source)
     compiler = find_compiler()
     final = binary_path(source, compiler)
     if final.is_file() and not force:
@@ -170,14 +190,25 @@ def build_family(family: str, force: bool = False) -> Path:
 
 
 def engine_for_family(family: str) -> Path:
-    """The family's engine binary, built now if this is its first use."""
+    """The family's main engine binary, built now if this is its first use."""
     return build_family(family)
 
 
-def engine_status(family: str) -> tuple[bool, Path | None, str]:
-    """(built, binary path or None, reason) without building anything."""
+def engine_for_model(model: ResolvedModel) -> Path | None:
+    """The binary that runs ``model``: the family's prebuilt one (``engine_path``), else its ``engine_source``
+    for this model built now if this is its first use; None when the family has neither."""
+    shipped = hooks.engine_path(model)
+    if shipped is not None:
+        return shipped
+    source = hooks.engine_source(model)
+    return build(source) if source is not None else None
+
+
+def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool, Path | None, str]:
+    """(built, binary path or None, reason) of the engine for ``model`` (else the family's main one), without
+    building anything."""
     try:
-        source = family_engine_source(family)
+        source = hooks.family_engine_source(family, model)
     except EngineError as exc:
         return False, None, exc.message
     if source is None:

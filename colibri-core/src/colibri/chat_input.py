@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 BLOCK = '"""'
 PROMPT = ">>> "
@@ -21,7 +21,7 @@ class LineSource:
     def __init__(self, interactive: bool, history_file: Path | None = None):
         self.interactive = interactive
         self.history_file = history_file
-        self._readline = None
+        self._readline: Any = None   # the readline module, when history is on
         if interactive and history_file is not None:
             self._setup_history(history_file)
 

@@ -164,11 +164,12 @@ def rope(config: Mapping[str, Any], default_theta: float = 10000.0, default_part
     Top-level ``rope_theta`` / ``partial_rotary_factor`` / ``rope_scaling`` are the hub spelling; transformers 5
     folds them into ``rope_parameters``. A value in ``rope_parameters`` wins over a top-level one.
     """
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and section and isinstance(params.get(section), Mapping):
-        params = params[section]
-    params = params if isinstance(params, Mapping) else {}
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), Mapping) else {}
+    found = config.get("rope_parameters")
+    if isinstance(found, Mapping) and section and isinstance(found.get(section), Mapping):
+        found = found[section]
+    params: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    rope_scaling = config.get("rope_scaling")
+    scaling: Mapping[str, Any] = rope_scaling if isinstance(rope_scaling, Mapping) else {}
     theta = first_of(params, "rope_theta", default=first_of(config, "rope_theta", default=default_theta))
     partial = first_of(params, "partial_rotary_factor",
                        default=first_of(config, "partial_rotary_factor", default=default_partial))

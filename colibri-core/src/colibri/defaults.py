@@ -1,58 +1,54 @@
 """Core's own implementations of the firstresult hooks, registered ``trylast``.
 
-A family overrides any of them by answering the hook itself.
+A family overrides any of them by answering the hook itself. The defaults that need another hook's answer
+(``converter_spec`` derives from ``tensor_layout``) get the family-restricted hook caller handed in
+(``CoreDefaults(ask)``, built by ``colibri.plugins``), so this module never imports the plugin layer.
+
+The engine binary has no default hook implementation: when a family ships none (``engine_path``), core builds its
+``engine_source`` (``colibri.builder.engine_for_model``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import hookimpl
+from .checkpoint import default_shard_set
+from .convert.spec import spec_from_layout
+from .planner import plan
 from .records import (
     ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
 )
+from .tokenizer import load_tokenizer_dir
+
+HookAsker = Callable[[str, str], Any]   # (family, hook name) -> a hook caller limited to that family and core
 
 
-@hookimpl(trylast=True)
-def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...]:
-    from .checkpoint import default_shard_set
+class CoreDefaults:
+    """Registered once per plugin manager under the name ``colibri.defaults``."""
 
-    found = default_shard_set(model.path)
-    return (found,) if found else ()
+    def __init__(self, ask: HookAsker) -> None:
+        self._ask = ask
 
+    @hookimpl(trylast=True)
+    def weight_files(self, model: ResolvedModel) -> tuple[ShardSet, ...]:
+        found = default_shard_set(model.path)
+        return (found,) if found else ()
 
-@hookimpl(trylast=True)
-def plan_resources(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout: TensorLayout,
-                   tensors: Any) -> ResourcePlan:
-    from .planner import plan
+    @hookimpl(trylast=True)
+    def plan_resources(self, model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout: TensorLayout,
+                       tensors: Any) -> ResourcePlan:
+        return plan(model, request, geometry, layout, tensors)
 
-    return plan(model, request, geometry, layout, tensors)
+    @hookimpl(trylast=True)
+    def build_env(self, model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
+        return EngineEnv()
 
+    @hookimpl(trylast=True)
+    def converter_spec(self, model: ResolvedModel) -> ConverterSpec | None:
+        layout = self._ask(model.family, "tensor_layout")(model=model)
+        return spec_from_layout(layout) if layout is not None else None
 
-@hookimpl(trylast=True)
-def engine_path(model: ResolvedModel) -> Path | None:
-    from .builder import engine_for_family
-
-    return engine_for_family(model.family)
-
-
-@hookimpl(trylast=True)
-def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
-    return EngineEnv()
-
-
-@hookimpl(trylast=True)
-def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
-    from . import plugins
-    from .convert.spec import spec_from_layout
-
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
-    return spec_from_layout(layout) if layout is not None else None
-
-
-@hookimpl(trylast=True)
-def load_tokenizer(model: ResolvedModel) -> Any:
-    from .tokenizer import load_tokenizer_dir
-
-    return load_tokenizer_dir(model.path, model.config)
+    @hookimpl(trylast=True)
+    def load_tokenizer(self, model: ResolvedModel) -> Any:
+        return load_tokenizer_dir(model.path, model.config)

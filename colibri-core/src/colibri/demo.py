@@ -25,11 +25,11 @@ def demo_cache_dir() -> Path:
 
 def find_demo_model(synthetic: bool = False) -> DemoModel:
     """The first installed family's demo model; a clear error naming the package to install when none offers one."""
-    from . import plugins
+    from . import hooks, plugins
 
     cache_dir = demo_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    found = plugins.manager().hook.demo_model(cache_dir=cache_dir, synthetic=synthetic)
+    found = hooks.demo_model(cache_dir, synthetic)
     if found is None:
         kind = "a synthetic demo model" if synthetic else "a demo model"
         broken = [f"{name} ({fam.error})" for name, fam in plugins.families().items() if fam.error]
@@ -64,13 +64,12 @@ def ensure_directory(final: Path, write: Callable[[Path], None]) -> tuple[Path, 
 
 def budget_for_cache_fraction(facts, ctx: int, fraction: float = 0.25) -> int:
     """The RAM budget at which the planner gives each MoE layer ``fraction`` of its experts as cache slots."""
+    from . import hooks
     from .records import PlanRequest
-    from .inventory import family_answer
 
     def plan(ram: int):
         request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=1)
-        return family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
-                             layout=facts.layout, tensors=facts.tensors)
+        return hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
 
     probe = plan(1 << 50)
     fixed = probe.dense_bytes + probe.kv_bytes + probe.state_bytes + probe.reserve_bytes

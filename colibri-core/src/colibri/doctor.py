@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plugins
+from . import hooks, plugins
 from .checkpoint import ShardHeader, TensorInfo, read_header, read_index
 from .errors import ColibriError
-from .inventory import family_answer, geometry_of, logical_tensors, shard_sets_of
+from .inventory import geometry_of, logical_tensors, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
 from .records import ResolvedModel, ShardSet
 from .validation import (  # noqa: F401  (Check and the deep checks are doctor's public names too)
@@ -41,9 +41,10 @@ def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool
     builder, ``engine_source`` tells whether an engine exists at all.
     """
     if model is not None:
-        limits = family_answer(model, "limits")
+        limits = hooks.limits(model)
         if limits is not None and not limits.has_engine:
             return False, f"no engine ({limits.reason_no_engine})" if limits.reason_no_engine else "no engine"
+    builder: Any
     try:
         from . import builder
     except ModuleNotFoundError as exc:
@@ -52,21 +53,17 @@ def engine_status(family: str, model: ResolvedModel | None = None) -> tuple[bool
         builder = None
     status_fn = getattr(builder, "engine_status", None)
     if status_fn is not None:
-        built, path, reason = status_fn(family)
+        built, path, reason = status_fn(family, model)
         return bool(built), (f"built: {path}" if built and path else reason)
-    source = family_source(family)
+    source = family_source(family, model)
     if source is None:
         return False, "no engine"
     return False, f"not built ({source.name}; the engine builder is not installed)"
 
 
-def family_source(family: str):
-    """The family's own ``engine_source`` answer, or None."""
-    pm = plugins.manager()
-    for impl in pm.hook.engine_source.get_hookimpls():
-        if impl.plugin_name == family:
-            return impl.function()
-    return None
+def family_source(family: str, model: ResolvedModel | None = None):
+    """The family's own ``engine_source`` answer (for ``model``, or its main engine), or None."""
+    return hooks.family_engine_source(family, model)
 
 
 # ---------------------------------------------------------------------------------------------- file checks
@@ -165,7 +162,7 @@ def check_shards(shard_sets: tuple[ShardSet, ...], scan: ShardScan) -> Check:
                 worst = max(past_end, key=lambda t: t.end)
                 problems.append(f"{file}: truncated: tensor {worst.name!r} ends at byte {worst.end} but the file "
                                 f"has {header.file_size} bytes")
-            if weight_map is not None:
+            if weight_map is not None and shard_set.index_file is not None:    # the map is read from the index
                 listed = {n for n, f in weight_map.items() if shard_set.directory / f == file}
                 for name in sorted(listed - held):
                     problems.append(f"{file}: tensor {name!r} is listed in {shard_set.index_file.name} "
@@ -200,7 +197,7 @@ def check_container(model_dir: Path, model: ResolvedModel) -> tuple[Check, Any]:
     if container is None:
         return Check("container", PASS, "native checkpoint (no colibri-quant stamp)"), None
     schemes = sorted({t.scheme for t in container.tensors.values() if t.quant is not None})
-    limits = family_answer(model, "limits")
+    limits = hooks.limits(model)
     supported = limits.quant_schemes if limits is not None else ()
     missing = [s for s in schemes if s not in supported]
     detail = (f"colibri-quant v{container.version}, {len(container.tensors)} tensors "
@@ -288,7 +285,7 @@ def _layout_checks(model: ResolvedModel, geometry, tensors: dict[str, TensorInfo
     if counts.status == FAIL:
         return [Check("tensor roles", WARN, "not checked: config.json contradicts the tensors (see config vs "
                                             "tensors)")]
-    layout, failed = _guarded("tensor layout", lambda: family_answer(model, "tensor_layout"))
+    layout, failed = _guarded("tensor layout", lambda: hooks.tensor_layout(model))
     if failed:
         return [failed]
     if layout is None:

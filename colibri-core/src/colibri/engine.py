@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 from .errors import EngineError
 
@@ -140,6 +140,10 @@ class Engine:
         except OSError as exc:
             raise EngineError(f"cannot start engine {self.argv[0]}: {exc.strerror}",
                               "rebuild it with `coli build --force`") from None
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr   # all three are pipes (PIPE above)
+        self._stdin: IO[bytes] = self.proc.stdin
+        self._stdout: IO[bytes] = self.proc.stdout
+        self._stderr: IO[bytes] = self.proc.stderr
         self._stderr_thread = threading.Thread(target=self._read_stderr, name="engine-stderr", daemon=True)
         self._stderr_thread.start()
         self._reader = threading.Thread(target=self._read_stdout, name="engine-stdout", daemon=True)
@@ -179,7 +183,7 @@ class Engine:
         if self.proc.poll() is None:
             self._send({"op": "shutdown"}, quiet=True)
             try:
-                self.proc.stdin.close()
+                self._stdin.close()
             except OSError:
                 pass
             try:
@@ -188,7 +192,7 @@ class Engine:
                 self._kill()
         self._reader.join(timeout=timeout)
         self._stderr_thread.join(timeout=timeout)
-        for stream in (self.proc.stdout, self.proc.stderr):
+        for stream in (self._stdout, self._stderr):
             try:
                 stream.close()
             except OSError:
@@ -280,8 +284,8 @@ class Engine:
                     return
                 raise self._dead
             try:
-                self.proc.stdin.write(line)
-                self.proc.stdin.flush()
+                self._stdin.write(line)
+                self._stdin.flush()
             except (BrokenPipeError, OSError, ValueError):
                 if quiet:
                     return
@@ -290,14 +294,14 @@ class Engine:
                 raise self._dead or EngineError("engine stopped reading its input", self.stderr_tail(3)) from None
 
     def _read_stderr(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
+        for raw in iter(self._stderr.readline, b""):
             text = raw.decode("utf-8", "replace").rstrip()
             if text:
                 self._stderr_tail.append(text)
 
     def _read_stdout(self) -> None:
         try:
-            for raw in iter(self.proc.stdout.readline, b""):
+            for raw in iter(self._stdout.readline, b""):
                 self._route(raw)
         except (OSError, ValueError):
             pass

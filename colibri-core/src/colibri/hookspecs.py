@@ -5,6 +5,9 @@ A family is one Python module registered under the entry-point group ``colibri.f
     [project.entry-points."colibri.families"]
     olmoe = "colibri_olmoe.plugin"
 
+The entry-point name is the family name: ``Claim.family`` and ``FamilyDescriptor.name`` must equal it. Core calls
+hooks through the typed functions of ``colibri.hooks``.
+
 Two kinds of hooks exist:
 
 * *Discovery hooks* (``describe_family``, ``detect_config``, ``demo_model``) are called on every installed family.
@@ -57,7 +60,9 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
 
     Called on every installed family (not firstresult). Core collects all claims: none is an error naming the
     ``model_type`` (or marker file) and the installed families; two or more is an error naming them and the
-    ``--family`` option that settles it.
+    ``--family`` option that settles it. A family that does not implement this hook is claimed by the
+    ``model_types`` of its ``describe_family``. ``Claim.family`` must be the plugin's entry-point name (model hooks
+    are routed by it); a claim naming another family is refused.
 
     :param model_dir: the checkpoint directory.
     :param config: the parsed ``config.json``, or ``None`` when the directory has none (pipelines, for example,
@@ -130,12 +135,16 @@ def plan_resources(
 
 
 @hookspec(firstresult=True)
-def engine_source() -> EngineSource | None:
-    """Name the C sources of the family's engine (compiled by core together with the shared runtime).
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """Name the C sources of the engine that runs ``model`` (compiled by core together with the shared runtime).
 
-    Called on one family's plugin only. firstresult.
+    A family with several compositions (one per attention kind, say) answers with the one this model needs, each
+    under its own binary name, so the binary never has to dispatch on its arguments. Called on one family's plugin
+    only. firstresult.
 
-    :returns: an :class:`~colibri.records.EngineSource`, or ``None`` when the family has no engine yet.
+    :param model: the resolved model; ``None`` asks for the family's main engine (what ``coli build FAMILY``
+        builds and ``coli families`` reports when no model is named).
+    :returns: an :class:`~colibri.records.EngineSource`, or ``None`` when the family (or this model) has no engine.
     """
 
 
@@ -143,8 +152,9 @@ def engine_source() -> EngineSource | None:
 def engine_path(model: ResolvedModel) -> Path | None:
     """Return the engine binary that runs this model.
 
-    firstresult: core's default builds (or finds in the build cache) the family's ``engine_source``. A family
-    that ships a prebuilt binary answers with its path.
+    firstresult; no core default: when no family answers, core builds (or finds in the build cache) the
+    family's ``engine_source(model)`` (``colibri.builder.engine_for_model``). A family that ships a prebuilt
+    binary answers with its path.
 
     :param model: the resolved model.
     :returns: path to an executable engine.
@@ -156,10 +166,12 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv | None:
     """Give the family-specific engine arguments and environment for this model and plan.
 
     firstresult. Core itself passes the model directory, context, slots, cache capacity and threads; the family
-    adds what only it knows (typically the hyperparameters read from the config, as ``key=value``).
+    adds what only it knows (typically the hyperparameters read from the config, as ``--set key=value``:
+    ``colibri.engine_args.set_args``).
 
     :param model: the resolved model.
-    :param plan: the resource plan the engine will run under.
+    :param plan: the resource plan the engine will run under (no family reads it today; it is there so one can
+        size engine-side buffers from the plan without another hook).
     :returns: an :class:`~colibri.records.EngineEnv`.
     """
 

@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from . import builder, hooks
 from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
-from .inventory import ModelFacts, family_answer, load_facts
+from .inventory import ModelFacts, load_facts
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 from .validation import require_sound_tensors
@@ -124,7 +125,9 @@ def default_threads() -> int:
     return max(1, len(cores))
 
 
-def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: int) -> None:
+def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: int, model_context: int = 0) -> None:
+    """Refuse flags past the family's limits; ``model_context`` (the geometry's) bounds ``--ctx`` when the limits
+    leave ``max_context`` at 0."""
     if limits is None:
         raise EngineError(f"family {model.family} states no limits for {model.path}",
                           f"the {model.family} plugin must implement the limits hook")
@@ -133,9 +136,10 @@ def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: i
         raise EngineError(f"{model.family} cannot run {model.path}: {reason}", "coli families shows what runs")
     if ctx < 1:
         raise UsageError(f"--ctx {ctx}: must be at least 1", "for example --ctx 4096")
-    if ctx > limits.max_context:
-        raise UsageError(f"--ctx {ctx} exceeds the {limits.max_context} tokens {model.family} supports for this model",
-                         f"pass --ctx {limits.max_context} or less")
+    bound = limits.max_context or model_context
+    if bound and ctx > bound:
+        raise UsageError(f"--ctx {ctx} exceeds the {bound} tokens {model.family} supports for this model",
+                         f"pass --ctx {bound} or less")
     if slots < 1 or slots > limits.max_kv_slots:
         raise UsageError(f"--slots {slots}: {model.family} supports 1 to {limits.max_kv_slots} slots",
                          f"pass --slots {min(max(slots, 1), limits.max_kv_slots)}")
@@ -182,8 +186,7 @@ def default_ctx(facts: ModelFacts) -> int:
 
 def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
     request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0))
-    plan = family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
-                         layout=facts.layout, tensors=facts.tensors)
+    plan = hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
     if not plan.fits:
         from .console import human_bytes
 
@@ -205,15 +208,15 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     # doctor --deep and convert refuse too): it would read past its arrays or compute with the wrong shapes.
     require_sound_tensors(model, facts.geometry, facts.layout, facts.tensors)
     ctx = default_ctx(facts) if ctx is None else int(ctx)
-    check_limits(model, facts.limits, ctx, slots)
+    check_limits(model, facts.limits, ctx, slots, facts.geometry.max_context)
     check_container(facts)
     if cap is not None and cap < 0:
         raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")
     plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
-    binary = family_answer(model, "engine_path")
+    binary = builder.engine_for_model(model)
     if binary is None:
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")
-    env: EngineEnv = family_answer(model, "build_env", plan=plan) or EngineEnv()
+    env: EngineEnv = hooks.build_env(model, plan)
     threads = int(threads) if threads else default_threads()
     streaming = streaming or Streaming()
     streaming.check()

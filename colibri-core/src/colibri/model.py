@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from . import plugins
+from . import hooks, plugins
 from .configs import check_config
 from .errors import ConfigError, FamilyError, ModelNotFoundError, UsageError
 from .records import Claim, ResolvedModel
@@ -63,8 +63,7 @@ def _installed_family_names() -> str:
 
 
 def collect_claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
-    pm = plugins.manager()
-    return [c for c in pm.hook.detect_config(model_dir=model_dir, config=config) if c is not None]
+    return hooks.claims(model_dir, config)
 
 
 def resolve_model(option: str | os.PathLike | None, family: str | None = None) -> ResolvedModel:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .inventory import take_inventory
+from .roles import take_inventory
 from .records import Geometry, PlanRequest, ResolvedModel, ResourcePlan, TensorLayout
 
 FIXED_RESERVE_BYTES = 64 * 1024 * 1024
@@ -112,7 +112,7 @@ def plan(model: ResolvedModel, request: PlanRequest, geometry: Geometry, layout:
     routed_per_token = top_k * expert_bytes * moe_layers
     bandwidth = float(request.disk_bandwidth)
     tok_s = bandwidth / routed_per_token if bandwidth > 0 and routed_per_token > 0 else 0.0
-    if inv.skipped_bytes:
+    if inv.skipped_bytes and layout is not None:
         notes.append(f"{inv.skipped_bytes} bytes of tensors under {', '.join(layout.skipped_prefixes)} "
                      "are never loaded")
     result = ResourcePlan(

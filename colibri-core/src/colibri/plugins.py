@@ -50,7 +50,7 @@ def _family_entry_points() -> list[metadata.EntryPoint]:
 def _load() -> tuple[pluggy.PluginManager, dict[str, LoadedFamily]]:
     pm = pluggy.PluginManager("colibri")
     pm.add_hookspecs(hookspecs)
-    pm.register(defaults, name="colibri.defaults")
+    pm.register(defaults.CoreDefaults(family_hook), name="colibri.defaults")
     only = _names_from_env("COLIBRI_LOAD_PLUGINS")
     disabled = _names_from_env("COLIBRI_DISABLE_PLUGINS") or set()
     families: dict[str, LoadedFamily] = {}

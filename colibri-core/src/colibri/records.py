@@ -130,7 +130,7 @@ class TensorLayout:
 class Limits:
     """What a family's engine supports; values past these are refused, never silently ignored."""
 
-    max_context: int
+    max_context: int = 0                   # the longest --ctx the engine takes; 0: the model's own (Geometry's)
     max_kv_slots: int = 64
     weight_dtypes: tuple[str, ...] = ("F32", "BF16", "F16")
     has_engine: bool = False
@@ -179,6 +179,8 @@ class EngineSource:
     sources: tuple[Path, ...]
     include_dirs: tuple[Path, ...] = ()
     defines: tuple[str, ...] = ()
+    runtime_api: int | None = None         # the runtime C API version (CB_RUNTIME_API) the sources are written
+                                           # for; the builder refuses another with one line (None: not checked)
 
 
 @dataclass(frozen=True)

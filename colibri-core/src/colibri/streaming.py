@@ -88,8 +88,9 @@ def streaming_parts(stats: dict[str, Any]) -> list[str]:
         parts.append(", ".join(switches))
     phases = [(name, stats.get(key)) for name, key in (("I/O wait", "io_wait_s"), ("experts", "expert_s"),
                                                         ("attention", "attention_s"), ("other", "other_s"))]
-    if all(isinstance(v, (int, float)) for _, v in phases) and sum(v for _, v in phases) > 0:
-        parts.append("time: " + ", ".join(f"{name} {v:.2f}s" for name, v in phases))
+    seconds = [(name, float(v)) for name, v in phases if isinstance(v, (int, float))]
+    if len(seconds) == len(phases) and sum(v for _, v in seconds) > 0:
+        parts.append("time: " + ", ".join(f"{name} {v:.2f}s" for name, v in seconds))
     if stats.get("lossy"):
         parts.append(f"LOSSY routing: {stats['lossy']}")
     return parts

@@ -1,3 +1,5 @@
 """colibri family plugin: Decision checkpoints: GLiNER2-style extractors."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+__version__ = metadata.version("colibri-decision")   # stated once, in pyproject.toml

@@ -1,3 +1,5 @@
 """colibri family plugin: DeepSeek MoE families: DeepSeek-V3/R1, V3.2 (DSA), V4."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+__version__ = metadata.version("colibri-deepseek-v4")   # stated once, in pyproject.toml

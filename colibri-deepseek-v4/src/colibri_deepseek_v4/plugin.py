@@ -9,11 +9,12 @@ layer), keeps one KV head, and hash-routes tokens in its first layers.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl
+from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
+from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
@@ -22,7 +23,6 @@ from colibri.records import (
 
 FAMILY = "deepseek-v4"
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
-F32 = 4
 
 # What transformers assumes when a deepseek_v3 config omits the router fields (its saves do).
 V3_ROUTER_DEFAULTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
@@ -39,10 +39,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:
@@ -142,12 +139,12 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     if model.model_type == "deepseek_v4":
         return _geometry_v4(model, cfg, where)
     r = _read_mla(cfg, where)
-    per_layer = (r["kv_lora"] + r["rope_dim"]) * F32
+    per_layer = kv_bytes(r["kv_lora"] + r["rope_dim"])
     notes = [("MLA", f"kv_lora_rank {r['kv_lora']}, rope dim {r['rope_dim']}, q_lora_rank {r['q_lora'] or 'none'}")]
     attention = "MLA (compressed KV)"
     if model.model_type == "deepseek_v32":
         index_dim = configs.optional_int(cfg, "index_head_dim", default=128, where=where)
-        per_layer += index_dim * F32
+        per_layer += kv_bytes(index_dim)
         attention = "MLA + DSA lightning indexer"
         notes.append(("DSA", f"index_topk {cfg.get('index_topk', 2048)}, {cfg.get('index_n_heads', 64)} heads"))
     notes += list(_router_notes(cfg, model.model_type))
@@ -191,7 +188,7 @@ def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Ge
         num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], num_experts=r["experts"], top_k=r["top_k"],
         expert_intermediate=r["expert_width"], num_shared_experts=r["shared"], moe_layers=r["moe_layers"],
         dense_layers=tuple(i for i in range(r["layers"]) if i not in r["moe_layers"]),
-        max_context=configs.max_context(cfg), kv_bytes_per_token=r["layers"] * v4_kv_row_floats(r) * F32,
+        max_context=configs.max_context(cfg), kv_bytes_per_token=kv_bytes(r["layers"] * v4_kv_row_floats(r)),
         notes=notes,
     )
 
@@ -360,26 +357,30 @@ def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
     return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
 
 
-# Model types engine/deepseek.c composes from MLA; deepseek_v4 runs engine/deepseek_v4.c (the same binary).
-ENGINE_TYPES = ("deepseek_v3", "deepseek_v32")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    if model.model_type in ENGINE_TYPES:
-        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
-    if model.model_type == "deepseek_v4":
-        # engine/deepseek_v4.c. No colibri-quant schemes: the container expert kernels have no clamped SwiGLU.
-        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=())
-    return Limits(max_context=configs.max_context(model.config), has_engine=False,
-                  reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
+    if engine_source(model) is None:
+        return Limits(max_context=configs.max_context(model.config), has_engine=False,
+                      reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
+    # deepseek_v4: no colibri-quant schemes (the container expert kernels have no clamped SwiGLU).
+    return Limits(max_context=configs.max_context(model.config), has_engine=True,
+                  quant_schemes=() if model.model_type == "deepseek_v4" else QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
-# DeepSeek-V4's composition, linked into the same binary; deepseek.c's main picks it on --set attention=v4.
 ENGINE_V4_C = Path(__file__).parent / "engine" / "deepseek_v4.c"
+# One binary per composition: MLA (deepseek.c: V3, V3.2) and V4 (deepseek_v4.c). Both still link both files
+# because deepseek.c's main picks V4 on --set attention=v4; once deepseek_v4.c has its own main, each source
+# tuple names its own file only.
+MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C, ENGINE_V4_C), runtime_api=RUNTIME_API)
+ENGINES = {"deepseek_v3": MLA_ENGINE, "deepseek_v32": MLA_ENGINE,
+           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C),
+                                       runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
@@ -396,57 +397,20 @@ def _check_router(cfg: Mapping[str, Any], where: str) -> None:
                               f"the engine implements {key} {want!r} (DeepSeek-V3's router)")
 
 
-def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, and the softmax scale: DeepSeek multiplies
-    qk_head_dim^-0.5 by mscale(factor, mscale_all_dim)^2 whenever the rope type is not default. YaRN's cos/sin
-    factor follows transformers' _compute_yarn_parameters."""
-    scaling, values = rope.scaling or {}, {}
-    scale = qk_head_dim ** -0.5
-    if rope.rope_type in ("linear", "llama3", "yarn"):
-        factor = scaling.get("factor")
-        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-        if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
-            factor = cfg["max_position_embeddings"] / orig
-        if factor is None:
-            raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
-                              "restore the checkpoint's original config.json")
-        values["rope_factor"] = repr(float(factor))
-        if scaling.get("mscale_all_dim"):
-            scale *= _yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"])) ** 2
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
-    if rope.rope_type == "yarn":
-        if not orig:
-            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
-                              "restore the checkpoint's original config.json")
-        factor = float(values["rope_factor"])
-        attention = scaling.get("attention_factor")
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if attention is None:
-            attention = (_yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
-                         if mscale and mscale_all_dim else _yarn_get_mscale(factor))
-        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
-                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
-                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
-                      rope_truncate=int(bool(scaling.get("truncate", True))))
-    values["attention_scale"] = repr(scale)
-    return values
+    """RoPE scaling settings as the engine reads them, and DeepSeek's softmax scale."""
+    return dict(rope_scaling_values(cfg, rope, where),
+                attention_scale=repr(mla_softmax_scale(cfg, rope, qk_head_dim, where)))
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the DeepSeek engine, resolved from config.json."""
     cfg, where = model.config, _where(model)
     if model.model_type == "deepseek_v4":
-        return _as_set_args(engine_hparams_v4(model))
-    if model.model_type not in ENGINE_TYPES:
+        return set_args(engine_hparams_v4(model))
+    if engine_source(model) is None:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
-                          f"the deepseek engine runs {', '.join(ENGINE_TYPES)}")
+                          f"the deepseek engine runs {', '.join(ENGINES)}")
     r = _read_mla(cfg, where)
     _check_router(cfg, where)
     fp8.check_config(cfg, where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
@@ -455,7 +419,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     if rope.rope_type not in ENGINE_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the deepseek engine yet",
                           f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
+    d: dict[str, Any] = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
     values: dict[str, Any] = dict(
         hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
         intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
@@ -486,17 +450,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     else:
         values.update(attention="mla", rope_interleave=int(bool(cfg.get("rope_interleave", True))))
     values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
-
-
-def _as_set_args(values: Mapping[str, Any]) -> tuple[str, ...]:
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 # transformers' DeepseekV4Config defaults, for configs that omit a field.
@@ -567,7 +521,7 @@ def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
     if len(r["moe_layers"]) != n:
         raise ConfigError(f"{where}: dense MLP layers are not supported by the deepseek_v4 engine",
                           "DeepSeek-V4 routes every layer through its MoE")
-    d = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V4_DEFAULTS.items()}
+    d: dict[str, Any] = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V4_DEFAULTS.items()}
     try:
         kinds = "".join(V4_KIND_LETTER[k] for k in r["attn"])
     except KeyError as exc:
@@ -594,8 +548,9 @@ def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C))
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """The composition for this model's type; the MLA one (V3 / V3.2) without a model."""
+    return ENGINES.get(model.model_type if model is not None else "deepseek_v3")
 
 
 @hookimpl

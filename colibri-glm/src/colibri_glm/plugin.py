@@ -9,11 +9,14 @@ last decoder layer (skipped).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
+from colibri.engine_args import (
+    check_rope_type, kv_bytes, mla_softmax_scale, rope_scaling_values, set_args,
+)
+from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
@@ -23,7 +26,6 @@ from colibri.records import (
 FAMILY = "glm"
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 MLA_TYPES = ("glm4_moe_lite", "glm_moe_dsa")
-F32 = 4
 # transformers' default count of leading dense layers when a config names neither mlp_layer_types nor
 # first_k_dense_replace (GLM-4.7-Flash's default list is one dense layer, then MoE).
 DEFAULT_FIRST_DENSE = {"glm4_moe": 1, "glm4_moe_lite": 1, "glm_moe_dsa": 3}
@@ -36,10 +38,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _moe_layers(model_type: str, cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
@@ -57,7 +56,7 @@ def _read(model: ResolvedModel) -> dict[str, Any]:
     n = configs.require_int(cfg, "num_hidden_layers", where=where, minimum=1)
     hidden = configs.require_int(cfg, "hidden_size", where=where, minimum=1)
     heads = configs.require_int(cfg, "num_attention_heads", where=where, minimum=1)
-    r = dict(
+    r: dict[str, Any] = dict(
         cfg=cfg, layers=n, hidden=hidden, heads=heads, mla=model.model_type in MLA_TYPES,
         vocab=configs.require_int(cfg, "vocab_size", where=where, minimum=1),
         experts=configs.require_int(cfg, "n_routed_experts", "num_experts", "num_local_experts", where=where,
@@ -88,14 +87,14 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     r = _read(model)
     cfg, n = r["cfg"], r["layers"]
     if r["mla"]:
-        per_layer = (r["kv_lora"] + r["rope_dim"]) * F32
+        per_layer = kv_bytes(r["kv_lora"] + r["rope_dim"])
         attention = "MLA (compressed KV)"
         if model.model_type == "glm_moe_dsa":
-            per_layer += configs.optional_int(cfg, "index_head_dim", default=128) * F32
+            per_layer += kv_bytes(configs.optional_int(cfg, "index_head_dim", default=128))
             attention = "MLA + DSA lightning indexer"
         rope = configs.rope(cfg)
     else:
-        per_layer = 2 * r["kv_heads"] * r["head_dim"] * F32
+        per_layer = kv_bytes(2 * r["kv_heads"] * r["head_dim"])
         attention = "GQA + partial RoPE" + (", qkv bias" if cfg.get("attention_bias") else "") + (
             ", q/k norm" if cfg.get("use_qk_norm") else "")
         rope = configs.rope(cfg, default_partial=0.5)
@@ -183,18 +182,19 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.config), has_engine=True,
+    return Limits(max_context=configs.max_context(model.config), has_engine=engine_source(model) is not None,
                   quant_schemes=QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "glm.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-glm", sources=(ENGINE_C,))
+def engine_source(model: ResolvedModel | None) -> EngineSource:
+    return EngineSource(name="colibri-glm", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 
 
 def _indexer_layers(cfg: Mapping[str, Any], n: int, where: str) -> str:
@@ -218,61 +218,12 @@ def _indexer_layers(cfg: Mapping[str, Any], n: int, where: str) -> str:
     return "".join(letters[t] for t in types)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction for a context stretched by ``factor`` (the paper's 0.1 ln s + 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _rope_scaling_values(cfg: Mapping[str, Any], rope: configs.Rope, r: dict[str, Any], where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, resolved the way transformers' GLM models do.
-
-    YaRN's cos/sin factor (``rope_attention_factor``; the runtime applies it to the rotated dimensions only)
-    comes from ``attention_factor``, else mscale / mscale_all_dim, else the factor alone, as transformers'
-    _compute_yarn_parameters. The MLA types (GLM-4.7-Flash, GLM-5) also multiply the softmax scale by
-    mscale(factor, mscale_all_dim)^2 for any non-default rope type, as DeepSeek-V3 does; glm4_moe does not."""
-    scaling, values = rope.scaling or {}, {}
-    if rope.rope_type == "default":
-        return values
-    orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    factor = scaling.get("factor")
-    if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
-        factor = cfg["max_position_embeddings"] / orig
-    if factor is None:
-        raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
-                          "restore the checkpoint's original config.json")
-    factor = float(factor)
-    values["rope_factor"] = repr(factor)
-    if rope.rope_type == "llama3":
-        values.update(rope_low_freq_factor=repr(float(scaling.get("low_freq_factor", 1.0))),
-                      rope_high_freq_factor=repr(float(scaling.get("high_freq_factor", 4.0))),
-                      rope_original_max_position=int(orig or 8192))
-    if rope.rope_type == "yarn":
-        if not orig:
-            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
-                              "restore the checkpoint's original config.json")
-        attention = scaling.get("attention_factor")
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if attention is None:
-            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                         if mscale and mscale_all_dim else _yarn_mscale(factor))
-        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
-                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
-                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
-                      rope_truncate=int(bool(scaling.get("truncate", True))))
-    if r["mla"] and scaling.get("mscale_all_dim"):
-        scale = r["head_dim"] ** -0.5 * _yarn_mscale(factor, float(scaling["mscale_all_dim"])) ** 2
-        values["attention_scale"] = repr(scale)
-    return values
-
-
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the GLM engine, resolved from config.json."""
     r = _read(model)
     cfg, n, where = r["cfg"], r["layers"], str(model.path / "config.json")
     rope = configs.rope(cfg, default_partial=1.0 if r["mla"] else 0.5)
-    if rope.rope_type not in ENGINE_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the glm engine",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
+    check_rope_type(rope, where, FAMILY, ENGINE_ROPE_TYPES)
     values: dict[str, Any] = dict(
         hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
         intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
@@ -306,11 +257,11 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
                       use_qk_norm=int(bool(cfg.get("use_qk_norm", False))))
     if rope.partial_rotary_factor != 1.0:
         values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
-    values.update(_rope_scaling_values(cfg, rope, r, where))
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    values.update(rope_scaling_values(cfg, rope, where))
+    if r["mla"] and rope.rope_type != "default" and (rope.scaling or {}).get("mscale_all_dim"):
+        # The MLA types (GLM-4.7-Flash, GLM-5) scale the softmax as DeepSeek-V3 does; glm4_moe does not.
+        values["attention_scale"] = repr(mla_softmax_scale(cfg, rope, r["head_dim"], where))
+    return set_args(values)
 
 
 @hookimpl

@@ -1,3 +1,5 @@
 """colibri family plugin: Diffusers text-to-image pipelines."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+__version__ = metadata.version("colibri-image")   # stated once, in pyproject.toml

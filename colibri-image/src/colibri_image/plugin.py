@@ -74,11 +74,11 @@ def _component_shards(directory: Path, prefix: str) -> ShardSet | None:
         weight_map = read_index(indexes[0])
         files = tuple(directory / f for f in sorted(set(weight_map.values())))
         return ShardSet(directory, files, indexes[0], prefix)
-    files = sorted(directory.glob("*.safetensors"), key=_variant_rank)
-    if not files:
+    found = sorted(directory.glob("*.safetensors"), key=_variant_rank)
+    if not found:
         return None
-    stem_dots = files[0].name.count(".")
-    return ShardSet(directory, tuple(f for f in files if f.name.count(".") == stem_dots)[:1], None, prefix)
+    stem_dots = found[0].name.count(".")
+    return ShardSet(directory, tuple(f for f in found if f.name.count(".") == stem_dots)[:1], None, prefix)
 
 
 @hookimpl

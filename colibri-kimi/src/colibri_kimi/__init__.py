@@ -1,3 +1,5 @@
 """colibri family plugin: Kimi (Moonshot) MoE families: Kimi K2, Kimi Linear."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+__version__ = metadata.version("colibri-kimi")   # stated once, in pyproject.toml

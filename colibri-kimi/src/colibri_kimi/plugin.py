@@ -8,11 +8,12 @@ lives under ``block_sparse_moe`` with experts stored as ``w1`` (gate) / ``w3`` (
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl
+from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
+from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
@@ -21,7 +22,6 @@ from colibri.records import (
 
 FAMILY = "kimi"
 MODEL_TYPES = ("kimi_k2", "kimi_linear")
-F32 = 4
 
 
 @hookimpl
@@ -31,10 +31,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _linear_layer_types(cfg: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
@@ -99,7 +96,7 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     r = _read(model)
     cfg, n = r["cfg"], r["layers"]
     full = [i for i, kind in enumerate(r["attn"]) if kind == "full_attention"]
-    kv = len(full) * (r["kv_lora"] + r["rope_dim"]) * F32
+    kv = kv_bytes(len(full) * (r["kv_lora"] + r["rope_dim"]))
     state = 0
     groups = configs.first_of(cfg, "n_group", "num_expert_group", default=1)
     renorm = configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True)
@@ -107,7 +104,7 @@ def model_geometry(model: ResolvedModel) -> Geometry:
                         f"{', renormalised' if renorm else ''} × {cfg.get('routed_scaling_factor', 1.0)}")]
     if r["linear"]:
         width = r["lin_heads"] * r["lin_dim"]
-        per_layer = 3 * width * (r["conv"] - 1) * F32 + r["lin_heads"] * r["lin_dim"] * r["lin_dim"] * F32
+        per_layer = kv_bytes(3 * width * (r["conv"] - 1) + r["lin_heads"] * r["lin_dim"] * r["lin_dim"])
         # x 2: the engine checkpoints each slot's state at the end of every prompt (as for the Qwen hybrids).
         state = 2 * per_layer * (n - len(full))
         notes.insert(0, ("layers", f"{n - len(full)} KDA + {len(full)} MLA (no RoPE)"))
@@ -196,22 +193,28 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
 
 
-# Model types the engine runs: kimi.c (Kimi K2), dispatching kimi_linear to kimi_linear.c.
-ENGINE_TYPES = ("kimi_k2", "kimi_linear")
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
 QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    if model.model_type in ENGINE_TYPES:
+    if engine_source(model) is not None:
         return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
                   reason_no_engine=f"no engine for {model.model_type}")
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
 ENGINE_LINEAR_C = Path(__file__).parent / "engine" / "kimi_linear.c"
+# One binary per composition: Kimi K2 (kimi.c) and Kimi Linear (kimi_linear.c). Both still link both files
+# because kimi.c's main picks the composition from --set model_type; once each file has its own main, each
+# source tuple names its own file only.
+ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C),
+                                   runtime_api=RUNTIME_API),
+           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_C, ENGINE_LINEAR_C),
+                                       runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
@@ -220,55 +223,18 @@ K2_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_
 K2_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
-def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, and the softmax scale: DeepSeek multiplies
-    qk_head_dim^-0.5 by mscale(factor, mscale_all_dim)^2 whenever the rope type is not default. YaRN's cos/sin
-    factor follows transformers' _compute_yarn_parameters."""
-    scaling, values = rope.scaling or {}, {}
-    scale = qk_head_dim ** -0.5
-    if rope.rope_type in ("linear", "llama3", "yarn"):
-        factor = scaling.get("factor")
-        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-        if factor is None and rope.rope_type == "yarn" and orig and cfg.get("max_position_embeddings"):
-            factor = cfg["max_position_embeddings"] / orig
-        if factor is None:
-            raise ConfigError(f"{where}: rope scaling {rope.rope_type!r} has no 'factor'",
-                              "restore the checkpoint's original config.json")
-        values["rope_factor"] = repr(float(factor))
-        if scaling.get("mscale_all_dim"):
-            scale *= _yarn_get_mscale(float(factor), float(scaling["mscale_all_dim"])) ** 2
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
-    if rope.rope_type == "yarn":
-        if not orig:
-            raise ConfigError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'",
-                              "restore the checkpoint's original config.json")
-        factor = float(values["rope_factor"])
-        attention = scaling.get("attention_factor")
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if attention is None:
-            attention = (_yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
-                         if mscale and mscale_all_dim else _yarn_get_mscale(factor))
-        values.update(rope_original_max_position=int(orig), rope_attention_factor=repr(float(attention)),
-                      rope_beta_fast=repr(float(scaling.get("beta_fast") or 32)),
-                      rope_beta_slow=repr(float(scaling.get("beta_slow") or 1)),
-                      rope_truncate=int(bool(scaling.get("truncate", True))))
-    values["attention_scale"] = repr(scale)
-    return values
+    """RoPE scaling settings as the engine reads them, and DeepSeek's softmax scale."""
+    return dict(rope_scaling_values(cfg, rope, where),
+                attention_scale=repr(mla_softmax_scale(cfg, rope, qk_head_dim, where)))
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the Kimi K2 engine, resolved from config.json."""
     where = str(model.path / "config.json")
-    if model.model_type not in ENGINE_TYPES:
+    if engine_source(model) is None:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
-                          f"the kimi engine runs {', '.join(ENGINE_TYPES)}")
+                          f"the kimi engine runs {', '.join(ENGINES)}")
     r = _read(model)
     fp8.check_config(r["cfg"], where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
     if r["linear"]:
@@ -301,10 +267,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         rope_interleave=int(bool(cfg.get("rope_interleave", True))),
     )
     values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tuple[str, ...]:
@@ -332,15 +295,13 @@ def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tupl
     if cfg.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias is not supported by the kimi_linear engine",
                           "Kimi Linear checkpoints have no attention biases; restore the original config.json")
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C))
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    """The composition for this model's type; Kimi K2's without a model."""
+    return ENGINES.get(model.model_type if model is not None else "kimi_k2")
 
 
 @hookimpl

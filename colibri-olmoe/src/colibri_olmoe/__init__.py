@@ -1,3 +1,5 @@
 """colibri family plugin: OLMoE."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+__version__ = metadata.version("colibri-olmoe")   # stated once, in pyproject.toml

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
-from colibri.errors import ConfigError
+from colibri.hooks import claim_by_model_type
+from colibri.engine_args import kv_bytes, rope_values, set_args
 from colibri.records import (
     Claim, DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
@@ -19,7 +20,6 @@ from colibri.records import (
 
 FAMILY = "olmoe"
 MODEL_TYPES = ("olmoe",)
-F32 = 4  # the engine keeps its KV cache in f32
 NANO_DIR = Path(__file__).parent / "nano"    # colibri-nano, trained by training/train_nano.py (package data)
 NANO_INT8_DIR = NANO_DIR.with_name("nano-int8")  # the same model as a colibri int8 container: what `coli demo` runs
 DEMO_PROMPT = "def fibonacci(n):"
@@ -32,10 +32,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:
@@ -70,7 +67,7 @@ def model_geometry(model: ResolvedModel) -> Geometry:
         num_kv_heads=d["kv_heads"], head_dim=d["head_dim"], num_experts=d["experts"], top_k=d["top_k"],
         expert_intermediate=d["expert_width"], num_shared_experts=0, moe_layers=tuple(range(d["layers"])),
         dense_layers=(), max_context=configs.max_context(cfg),
-        kv_bytes_per_token=2 * d["kv_heads"] * d["head_dim"] * F32 * d["layers"],
+        kv_bytes_per_token=kv_bytes(2 * d["kv_heads"] * d["head_dim"] * d["layers"]),
         notes=(("router", "softmax top-k" + (", renormalised" if cfg.get("norm_topk_prob") else "")),
                ("rope theta", f"{rope.theta:g}"),
                ("clip_qkv", "off" if clip is None else f"{clip:g}")),
@@ -119,28 +116,26 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(model.text_config), has_engine=True,
+    return Limits(max_context=configs.max_context(model.text_config),
+                  has_engine=engine_source(model) is not None,
                   quant_schemes=QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "olmoe.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-olmoe", sources=(ENGINE_C,))
+def engine_source(model: ResolvedModel | None) -> EngineSource:
+    return EngineSource(name="colibri-olmoe", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the OLMoE engine, resolved from config.json."""
     cfg, where = model.text_config, _where(model)
     d = _dims(cfg, where)
-    rope = configs.rope(cfg)
-    if rope.rope_type not in ENGINE_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the olmoe engine",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
     eps = configs.require_number(cfg, "rms_norm_eps", 1e-5, where=where)
     values: dict[str, Any] = {
         "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"],
@@ -149,24 +144,12 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         "rms_norm_eps": repr(float(eps)), "norm_topk_prob": int(bool(cfg.get("norm_topk_prob", False))),
         "tie_word_embeddings": int(bool(cfg.get("tie_word_embeddings", False))),
         "attention_bias": int(bool(cfg.get("attention_bias", False))),
-        "rope_theta": repr(rope.theta), "rope_type": rope.rope_type,
+        **rope_values(cfg, configs.rope(cfg), where, FAMILY, ENGINE_ROPE_TYPES),
     }
-    if rope.partial_rotary_factor != 1.0:
-        values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
-    scaling = rope.scaling or {}
-    if rope.rope_type in ("linear", "llama3"):
-        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
     clip = cfg.get("clip_qkv")
     if clip is not None:
         values["clip_qkv"] = repr(float(clip))
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 @hookimpl

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def config_json(spec: DemoSpec, eos_id: int, pad_id: int) -> dict:
     }
 
 
-def _layer_tensors(spec: DemoSpec, layer: int, rng) -> Iterator[tuple[str, "object"]]:
+def _layer_tensors(spec: DemoSpec, layer: int, rng) -> Iterator[tuple[str, Any]]:
     import numpy as np
 
     h, width = spec.hidden, spec.expert_width

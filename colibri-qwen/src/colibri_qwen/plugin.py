@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
+from colibri.engine_args import kv_bytes, rope_values, set_args
+from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
     Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
@@ -22,7 +24,6 @@ FAMILY = "qwen"
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 HYBRIDS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 WRAPPERS = ("qwen3_5_moe",)        # multimodal: LM under text_config and model.language_model.
-F32 = 4
 
 
 @hookimpl
@@ -33,10 +34,7 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
+    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:
@@ -82,12 +80,12 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     r = _read(model)
     cfg = r["cfg"]
     full_layers = [i for i, kind in enumerate(r["attn"]) if _is_full(kind)]
-    kv = len(full_layers) * 2 * r["kv_heads"] * r["head_dim"] * F32
+    kv = kv_bytes(len(full_layers) * 2 * r["kv_heads"] * r["head_dim"])
     state = 0
     notes = []
     if r["hybrid"]:
         conv_dim = 2 * r["lin_k_heads"] * r["lin_k_dim"] + r["lin_v_heads"] * r["lin_v_dim"]
-        per_layer = conv_dim * (r["conv_kernel"] - 1) * F32 + r["lin_v_heads"] * r["lin_k_dim"] * r["lin_v_dim"] * F32
+        per_layer = kv_bytes(conv_dim * (r["conv_kernel"] - 1) + r["lin_v_heads"] * r["lin_k_dim"] * r["lin_v_dim"])
         # x 2: the engine checkpoints each slot's state at the end of every prompt, so a chat turn whose reply
         # re-tokenizes differently can still resume from the history before it.
         state = 2 * per_layer * (r["layers"] - len(full_layers))
@@ -167,7 +165,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
             required += [f"{m}shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
             required.append(m + "shared_expert_gate.weight")
     embed = base + "embed_tokens.weight"
-    skipped = ("mtp.",) if r["hybrid"] else ()
+    skipped: tuple[str, ...] = ("mtp.",) if r["hybrid"] else ()
     if wrapper:
         skipped += ("model.visual.", "visual.")
     return TensorLayout(embeddings=(embed,) if tied else (embed, "lm_head.weight"),
@@ -181,39 +179,27 @@ QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    return Limits(max_context=configs.max_context(configs.text_config(model.config)), has_engine=True,
-                  quant_schemes=QUANT_SCHEMES)
+    return Limits(max_context=configs.max_context(configs.text_config(model.config)),
+                  has_engine=engine_source(model) is not None, quant_schemes=QUANT_SCHEMES)
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "qwen.c"
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @hookimpl
-def engine_source() -> EngineSource:
-    return EngineSource(name="colibri-qwen", sources=(ENGINE_C,))
+def engine_source(model: ResolvedModel | None) -> EngineSource:
+    return EngineSource(name="colibri-qwen", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 
 
 def _rope_args(cfg: Mapping[str, Any], where: str, hybrid: bool) -> dict[str, Any]:
     # Qwen3-Next / Qwen3.5 rotate a quarter of each head unless the config says otherwise (transformers' default).
     rope = configs.rope(cfg, default_partial=0.25 if hybrid else 1.0)
-    if rope.rope_type not in ENGINE_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the qwen engine",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
     # Qwen3.5's M-RoPE sections rotate by (t, h, w) positions; for text all three equal the token position, so
     # M-RoPE is plain RoPE over the same frequencies and mrope_section needs no engine support.
-    values: dict[str, Any] = dict(rope_theta=repr(rope.theta), rope_type=rope.rope_type)
-    if rope.partial_rotary_factor != 1.0:
-        values["partial_rotary_factor"] = repr(rope.partial_rotary_factor)
-    scaling = rope.scaling or {}
-    if rope.rope_type in ("linear", "llama3"):
-        values["rope_factor"] = repr(float(configs.require(scaling, "factor", where=f"{where} rope scaling")))
-    if rope.rope_type == "llama3":
-        values["rope_low_freq_factor"] = repr(float(scaling.get("low_freq_factor", 1.0)))
-        values["rope_high_freq_factor"] = repr(float(scaling.get("high_freq_factor", 4.0)))
-        values["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
-    return values
+    return rope_values(cfg, rope, where, FAMILY, ENGINE_ROPE_TYPES)
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
@@ -261,10 +247,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         )
     if model.model_type in WRAPPERS:
         values["weight_prefix"] = "model.language_model."
-    args: list[str] = []
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return tuple(args)
+    return set_args(values)
 
 
 @hookimpl

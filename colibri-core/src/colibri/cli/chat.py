@@ -89,14 +89,14 @@ def chat_command(
     from ..cachedir import cache_root
     from ..chat_input import LineSource, read_message
     from ..chat_session import ChatSession
-    from ..inventory import family_answer
+    from .. import hooks
     from ..prompt import choose_sampling, thinking_kwargs
     from ..streaming import stats_line
 
     if max_tokens < 1:
         raise ColibriError(f"--max-tokens {max_tokens}: must be at least 1")
     resolved = resolve_model(model, family)
-    tok = family_answer(resolved, "load_tokenizer")
+    tok = hooks.load_tokenizer(resolved)
     template_kwargs = thinking_kwargs(tok, think)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,

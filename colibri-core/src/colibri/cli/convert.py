@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -23,7 +23,7 @@ class RichReporter:
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=stdout(), transient=False)
-        self.task = None
+        self.task: Any = None    # rich's TaskID once started
         self.shards = 0
 
     def start(self, total_bytes: int, shards: int) -> None:

@@ -48,7 +48,8 @@ def demo_command(
     from .. import launch
     from ..console import human_bytes
     from ..demo import budget_for_cache_fraction, find_demo_model
-    from ..inventory import family_answer, load_facts
+    from .. import hooks
+    from ..inventory import load_facts
     from ..model import resolve_model
     from ..prompt import choose_sampling
     from ..streaming import stats_line, stream_reply
@@ -64,11 +65,11 @@ def demo_command(
     prompt = offered.prompt if prompt is None else prompt
     model = resolve_model(path)
     facts = load_facts(model)
-    ram_bytes = budget_for_cache_fraction(facts, DEMO_CTX, offered.cache_fraction) if ram is None else None
-    launch_spec = launch.prepare(model, ram_gib=ram if ram is not None else ram_bytes / GIB, ctx=DEMO_CTX,
+    ram_gib = ram if ram is not None else budget_for_cache_fraction(facts, DEMO_CTX, offered.cache_fraction) / GIB
+    launch_spec = launch.prepare(model, ram_gib=ram_gib, ctx=DEMO_CTX,
                                  threads=threads, facts=facts)
     plan = launch_spec.plan
-    tok = family_answer(model, "load_tokenizer")
+    tok = hooks.load_tokenizer(model)
     on_disk = facts.tensors.total_bytes
     experts_total = plan.experts_per_layer * plan.moe_layers
     routed_total = plan.expert_bytes * experts_total

@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from .. import plugins
+from .. import hooks, plugins
 from ..console import emit_json, print_table, print_warning, stdout
 from ..doctor import engine_status
 from ._app import app
@@ -14,15 +14,20 @@ from .options import JsonOption
 
 
 def _describe(name: str) -> tuple[Any, str]:
-    """The family's own describe_family answer (not whichever plugin answers first), or an error line."""
-    pm = plugins.manager()
-    for impl in pm.hook.describe_family.get_hookimpls():
-        if impl.plugin_name == name:
-            try:
-                return impl.function(), ""
-            except Exception as exc:  # a family's bug is reported on its own row, not a crash
-                return None, f"describe_family raised {type(exc).__name__}: {exc}"
-    return None, "does not implement describe_family"
+    """The family's own describe_family answer (not whichever plugin answers first), or an error line.
+
+    The descriptor must carry the entry-point name: model hooks are routed by the family name a claim states, so
+    a plugin registered as ``a`` that calls itself ``b`` would be asked nothing."""
+    try:
+        desc = hooks.describe_family(name)
+    except Exception as exc:  # a family's bug is reported on its own row, not a crash
+        return None, f"describe_family raised {type(exc).__name__}: {exc}"
+    if desc is None:
+        return None, "does not implement describe_family"
+    if desc.name != name:
+        return desc, (f"describe_family names the family {desc.name!r} but its entry point is {name!r} "
+                      "(the two must be equal: model hooks are routed by that name)")
+    return desc, ""
 
 
 def family_rows() -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from .. import sysinfo
+from .. import hooks, sysinfo
 from ..console import (
     STATUS_STYLES,
     emit_json,
@@ -22,7 +22,7 @@ from ..console import (
 )
 from ..doctor import DoctorFailed, diagnose, failures
 from ..errors import InsufficientMemoryError, UsageError
-from ..inventory import ModelFacts, family_answer, load_facts, take_inventory
+from ..inventory import ModelFacts, load_facts, take_inventory
 from ..model import resolve_model
 from ..records import PlanRequest, ResourcePlan
 from ._app import app
@@ -138,9 +138,10 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
     if kv_slots < 1:
         raise UsageError(f"--kv-slots {kv_slots}: must be at least 1", "pass --kv-slots N with N >= 1")
     if limits is not None:
-        if limits.max_context and ctx > limits.max_context:
+        bound = limits.max_context or g.max_context      # 0: the model's own context bounds the engine's
+        if bound and ctx > bound:
             raise UsageError(f"--ctx {ctx} exceeds the {facts.model.family} engine's limit of "
-                             f"{limits.max_context} tokens", f"pass --ctx {limits.max_context} or less")
+                             f"{bound} tokens", f"pass --ctx {bound} or less")
         if limits.max_kv_slots and kv_slots > limits.max_kv_slots:
             raise UsageError(f"--kv-slots {kv_slots} exceeds the {facts.model.family} engine's limit of "
                              f"{limits.max_kv_slots}", f"pass --kv-slots {limits.max_kv_slots} or less")
@@ -178,8 +179,7 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
 
 def make_plan(facts: ModelFacts, request: PlanRequest) -> ResourcePlan:
     """The claiming family's plan_resources answer (core's planner unless the family overrides it)."""
-    return family_answer(facts.model, "plan_resources", request=request, geometry=facts.geometry,
-                         layout=facts.layout, tensors=facts.tensors)
+    return hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
 
 
 def _gib_up(n: int) -> str:

@@ -58,7 +58,7 @@ def run_command(
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
     from .. import launch
-    from ..inventory import family_answer
+    from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, read_prompt_file, thinking_kwargs
     from ..streaming import stats_line, stream_reply
 
@@ -70,7 +70,7 @@ def run_command(
         raise UsageError("no prompt given", 'pass a PROMPT, e.g. coli run "Hello" --model DIR, or --prompt-file FILE')
 
     resolved = resolve_model(model, family)
-    tok = family_answer(resolved, "load_tokenizer")
+    tok = hooks.load_tokenizer(resolved)
     if think is not None and chat is False:
         raise UsageError("--think/--no-think with --raw: thinking is a chat-template switch", "drop one of them")
     built = build_prompt(tok, prompt, chat, thinking_kwargs(tok, think))

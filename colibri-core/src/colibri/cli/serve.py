@@ -110,7 +110,7 @@ def serve_command(
     experts_k: Optional[int] = ExpertsKOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
-    cors_origin: list[str] | None = typer.Option(  # noqa: B008
+    cors_origin: list[str] | None = typer.Option(
         None, "--cors-origin", metavar="ORIGIN",
         help="Allow browser requests from this origin (repeatable; CORS is off without it)."),
     max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "
@@ -131,7 +131,7 @@ def serve_command(
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
-    from ..inventory import family_answer
+    from .. import hooks
     from ..launch import prepare, start
     from ..model import resolve_model
     from ..prompt import checkpoint_sampling
@@ -164,7 +164,7 @@ def serve_command(
 
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
-    codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
+    codec = TokenizerCodec(hooks.load_tokenizer(resolved))
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)

@@ -222,10 +222,10 @@ def open_container(directory: Path) -> Container | None:
         job = str(index_meta.get(KEY_JOB, ""))
         weight_map = read_index(index_file)
         for header in headers:
-            for t in header.tensors:
-                if weight_map.get(t.name) != header.file.name:
-                    raise ContainerError(f"{index_file}: weight_map puts {t.name!r} in "
-                                         f"{weight_map.get(t.name)!r}, it is in {header.file.name}",
+            for info in header.tensors:
+                if weight_map.get(info.name) != header.file.name:
+                    raise ContainerError(f"{index_file}: weight_map puts {info.name!r} in "
+                                         f"{weight_map.get(info.name)!r}, it is in {header.file.name}",
                                          "the index is stale; reconvert the model")
     return Container(directory, CONTAINER_VERSION, job, tensors, headers)
 

@@ -188,7 +188,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
     shards: list[ShardPlan] = []
     if None in plain:
         shards.append(ShardPlan(0, "globals", sorted(plain.pop(None), key=_alignment_key)))
-    for layer in sorted(set(plain) | set(expert_items)):
+    for layer in sorted({k for k in plain if k is not None} | set(expert_items)):
         items = sorted(plain.get(layer, []), key=_alignment_key)
         for _, block in sorted(expert_items.get(layer, []), key=lambda e: e[0]):
             items.extend(block)

@@ -144,10 +144,10 @@ def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fr
     that emit ``logits`` events for forced positions too; today's protocol promises prompt logits only, so the
     default compares every position through the prefill path.
     """
-    from .. import plugins
+    from .. import hooks
     from ..launch import open_engine
 
-    tokenizer = plugins.family_hook(reference.family, "load_tokenizer")(model=reference)
+    tokenizer = hooks.load_tokenizer(reference)
     ids = [tokenizer.encode(t) for t in texts]
     if positions is not None:
         ids = [token_window(x, positions, f"text {i + 1}") for i, x in enumerate(ids)]

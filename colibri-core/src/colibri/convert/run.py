@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .. import plugins
+from .. import hooks
 from ..checkpoint import TensorIndex
 from ..errors import CheckpointError, FamilyError, UsageError
 from ..records import ResolvedModel
@@ -32,6 +32,7 @@ from .io import produce
 from .plan import JobPlan, ShardPlan, build_plan
 from .schemes import BY_OPTION, FLOAT_SCHEMES, NonFiniteError, ScaleOverflowError
 from .spec import DENSE_SCHEMES, EXPERT_SCHEMES
+from .verify import VerifyResult
 
 WORK_DIR = ".colibri-convert"
 JOB_FILE = "job.json"
@@ -64,7 +65,7 @@ class ConvertResult:
     seconds: float
     peak_rss_bytes: int
     already_done: bool = False
-    verified: object = None             # a VerifyResult when --verify ran
+    verified: VerifyResult | None = None   # when --verify ran
     copied_files: list[str] = field(default_factory=list)
 
 
@@ -96,7 +97,7 @@ def check_options(model: ResolvedModel, experts: str, dense: str):
         raise UsageError(f"--experts {experts}: unknown scheme", f"choose one of {', '.join(EXPERT_OPTIONS)}")
     if dense not in DENSE_OPTIONS:
         raise UsageError(f"--dense {dense}: unknown scheme", f"choose one of {', '.join(DENSE_OPTIONS)}")
-    spec = plugins.family_hook(model.family, "converter_spec")(model=model)
+    spec = hooks.converter_spec(model)
     if spec is None:
         raise FamilyError(f"family {model.family!r} ({model.model_type}) has no converter: it names no routed "
                           "experts to quantize", "run this checkpoint as it is; it needs no conversion")
@@ -128,11 +129,11 @@ def make_plan(model: ResolvedModel, experts: str, dense: str) -> tuple[JobPlan, 
                          "convert the original (f32/bf16) checkpoint instead")
     refuse_unsound_source(model)
     spec = check_options(model, experts, dense)
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
     if layout is None:
         raise FamilyError(f"family {model.family!r} gives no tensor layout for {model.model_type}",
                           "the family plugin cannot describe this checkpoint; it cannot be converted")
-    shard_sets = plugins.family_hook(model.family, "weight_files")(model=model) or ()
+    shard_sets = hooks.weight_files(model)
     if len(shard_sets) != 1 or not shard_sets[0].files:
         raise CheckpointError(f"{model.path}: no safetensors weights to convert" if not shard_sets or not
                               shard_sets[0].files else f"{model.path}: {len(shard_sets)} weight components",

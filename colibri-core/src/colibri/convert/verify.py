@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import plugins
+from .. import hooks
 from ..checkpoint import TensorIndex, TensorInfo
 from ..records import ResolvedModel
 from .container import Container, ContainerError, StoredTensor, open_container
@@ -53,6 +53,7 @@ class _Files:
 
 def _check_quant(files: _Files, st: StoredTensor, src: TensorInfo, result: VerifyResult) -> None:
     scheme = st.quant
+    assert scheme is not None, st.name    # called for quantized tensors only
     qw, sc = st.parts
     rows, cols = st.shape
     qrow = row_bytes(qw)
@@ -120,7 +121,7 @@ def verify_container(out: Path, source: TensorIndex, model: ResolvedModel) -> Ve
             result.tensors += 1
     finally:
         files.close()
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
     for ex in layout.experts if layout else ():
         container.extent(ex.tensors)
         result.experts += 1

@@ -204,7 +204,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
     ]
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)   # registered for HTTPException only
         if exc.status_code == 405:
             error = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
                              code="method_not_allowed")

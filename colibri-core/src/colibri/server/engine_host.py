@@ -29,7 +29,8 @@ class EngineLike(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def submit(self, prompt, **sampling) -> Any: ...
+    @property
+    def submit(self) -> Callable[..., Any]: ...   # (prompt, **sampling) -> a request; Engine.submit names its keywords
 
     def close(self) -> None: ...
 
@@ -83,7 +84,7 @@ class EngineHost:
                 engine = await asyncio.to_thread(self._factory)
             except ColibriError as exc:
                 self.detail = exc.one_line()
-            except Exception as exc:  # noqa: BLE001 - any failure to start must be reported, not raised into the loop
+            except Exception as exc:
                 self.detail = f"engine failed to start: {exc}"
             else:
                 if self.state == "stopped":
@@ -132,7 +133,7 @@ class EngineHost:
     async def _retire(self, engine: EngineLike) -> None:
         try:
             await asyncio.to_thread(engine.close)
-        except Exception as exc:  # noqa: BLE001 - a dead engine's cleanup must not take the server down
+        except Exception as exc:
             log.debug("closing the dead engine failed: %s", exc)
 
     # ---- access -----------------------------------------------------------------------------------------------

@@ -50,8 +50,11 @@ def hung_up_error() -> APIError:
 class Codec(Protocol):
     """Tokenizer and chat template of the served model (the same code ``coli chat`` renders with)."""
 
-    stop_ids: Sequence[int]
-    bound: PromptBound
+    @property
+    def stop_ids(self) -> Sequence[int]: ...
+
+    @property
+    def bound(self) -> PromptBound: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -296,7 +299,7 @@ class GenerationRun:
         except EngineError as exc:
             loop.call_soon_threadsafe(put, ("died", exc))
             loop.call_soon_threadsafe(self.s.host.report_death, self._engine, exc)
-        except Exception as exc:  # noqa: BLE001 - a broken event must end this request, not leak the slot
+        except Exception as exc:
             loop.call_soon_threadsafe(put, ("died", EngineError(f"engine event could not be read: {exc}")))
         finally:
             loop.call_soon_threadsafe(lease.release)

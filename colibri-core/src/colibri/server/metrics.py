@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 PREFIX = "colibri_"
@@ -85,7 +85,7 @@ class Metrics:
                 self.last_decode_tps = num("decode_tps")
                 self.decode_seconds += generated / self.last_decode_tps
 
-    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
+    def render(self, gauges: Mapping[str, tuple[str, float]]) -> str:
         """The exposition text; ``gauges`` maps a name to (help, value) read at scrape time."""
         lines: list[str] = []
 

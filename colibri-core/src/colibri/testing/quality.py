@@ -13,6 +13,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..convert.quality import QualityReport
 
@@ -30,11 +31,13 @@ def rescale_experts(src: Path, dst: Path) -> Path:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from .. import plugins
+    from .. import hooks
     from ..model import resolve_model
 
     model = resolve_model(str(src))
-    layout = plugins.family_hook(model.family, "tensor_layout")(model=model)
+    layout = hooks.tensor_layout(model)
+    if layout is None:
+        raise ValueError(f"{src}: family {model.family} has no tensor_layout: its routed experts are unknown")
     experts = {name for ex in layout.experts for name in ex.tensors}
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -43,7 +46,7 @@ def rescale_experts(src: Path, dst: Path) -> Path:
         with safe_open(str(shard), "np") as f:
             meta = f.metadata()
             tensors = {}
-            for name in f.keys():   # noqa: SIM118 (safe_open is not a mapping)
+            for name in f.keys():
                 t = f.get_tensor(name)
                 if name in experts:
                     t = (t / t.std() / math.sqrt(t.shape[1])).astype(t.dtype)
@@ -54,15 +57,17 @@ def rescale_experts(src: Path, dst: Path) -> Path:
 
 
 POSITIONS = 512
-_references: dict[str, tuple[list[int], object]] = {}   # source directory -> (token ids, f32 engine logits)
+_references: dict[str, tuple[list[int], Any]] = {}   # source directory -> (token ids, f32 engine logits)
 
 
 def quality_source(kind: str, root: Path, **overrides) -> Path:
     """The tiny ``kind`` checkpoint (seed 5, ``moe_intermediate_size`` 64 unless ``overrides`` say otherwise) with
     its experts re-scaled, built once under ``root``."""
-    from .tiny import tiny_model
+    from .tiny import tiny_config, tiny_model
 
-    width = {"intermediate_size": 64} if kind == "olmoe" else {"moe_intermediate_size": 64}
+    # the routed experts' width: moe_intermediate_size where the config has one, else (all-MoE configs such as
+    # OLMoE's) intermediate_size
+    width = {"moe_intermediate_size" if "moe_intermediate_size" in tiny_config(kind) else "intermediate_size": 64}
     built = tiny_model(kind, root / "tiny", **{"seed": 5, **width, **overrides}).path
     source = root / f"{built.name}-rescaled"
     if not source.exists():
@@ -80,16 +85,16 @@ def _logits(model, ids: list[int]):
         return forced_logits(engine, ids, len(ids)).astype(np.float32).astype(np.float64)
 
 
-def _reference(source: Path) -> tuple[list[int], object]:
+def _reference(source: Path) -> tuple[list[int], Any]:
     """Token ids of the quality text and the f32 engine's logits on them, computed once per source."""
-    from .. import plugins
+    from .. import hooks
     from ..convert.quality import default_text, token_window
     from ..model import resolve_model
 
     key = str(source.resolve())
     if key not in _references:
         src = resolve_model(key)
-        tokenizer = plugins.family_hook(src.family, "load_tokenizer")(model=src)
+        tokenizer = hooks.load_tokenizer(src)
         ids = token_window(tokenizer.encode(default_text()), POSITIONS, "the quality text")
         _references[key] = (ids, _logits(src, ids))
     return _references[key]

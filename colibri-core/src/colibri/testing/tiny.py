@@ -19,18 +19,15 @@ API (stable; other packages' tests build on it)::
 
 ``tiny_model(kind, tmp_root, **options)`` memoises by its arguments (in-process, and across processes through a
 sidecar ``<dir>.json`` written after a complete build), so a session fixture that passes the same ``tmp_root``
-builds each variant once. ``KINDS`` lists every kind:
+builds each variant once. ``KINDS`` lists every registered kind, ``TEXT_KINDS`` the causal LMs among them.
 
-* text kinds (``TEXT_KINDS``): ``olmoe``, ``qwen2_moe``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5_moe_text``,
-  ``qwen3_5_moe`` (multimodal wrapper with a one-block vision tower; LM under ``model.language_model.``),
-  ``deepseek_v3``, ``deepseek_v32``, ``deepseek_v4``, ``kimi_linear``, ``kimi_k2`` (a deepseek_v3 model whose
-  config.json says ``model_type: kimi_k2``, as real Kimi K2 checkpoints do), ``glm4_moe``, ``glm4_moe_lite``,
-  ``glm_moe_dsa``;
-* ``diffusers``: a Stable-Diffusion-style pipeline directory (``model_index.json``; ``unet/``, ``vae/``,
-  ``text_encoder/`` safetensors; ``scheduler/``, ``tokenizer/``);
-* ``extractor``: a GLiNER2-style decision checkpoint (``config.json`` with ``model_type: extractor`` and an
-  ``encoder_config``; ``model.safetensors`` holding ``encoder.*`` plus span/classifier head tensors);
-  ``encoder="bert"`` (default) or ``"deberta-v2"``.
+The kinds are family knowledge and live in the family packages: each registers a mapping kind -> recipe under the
+entry-point group ``colibri.testing.tiny`` (a :class:`TextRecipe`: the config fields, layer count and
+:class:`ChatStyle` of its tokenizer, built here with transformers; or a builder function for checkpoints that are
+not causal LMs, such as a diffusers pipeline)::
+
+    [project.entry-points."colibri.testing.tiny"]
+    mixtral = "colibri_mixtral.tiny:TINY_MODELS"     # {"mixtral": TextRecipe("mixtral", 2, fields, STYLE)}
 
 Options: ``seed`` (weights only; the tokenizer is fixed), ``dtype`` (``"float32"`` default, or ``"bfloat16"``:
 router/bias tensors transformers keeps in f32 stay f32), and geometry overrides merged into the config. Text kinds
@@ -60,17 +57,10 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 VOCAB = 512
 HIDDEN = 64
-
-TEXT_KINDS: tuple[str, ...] = (
-    "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_linear", "kimi_k2",
-    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-)
-KINDS: tuple[str, ...] = TEXT_KINDS + ("diffusers", "extractor")
 
 
 @dataclass(frozen=True)
@@ -85,131 +75,88 @@ class TinyModel:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tiny configs. Each function takes the layer count and returns the family's own config fields.
-
-def _layers_hybrid(n: int) -> list[str]:
-    # Qwen3-Next / Qwen3.5 / Kimi Linear put one full-attention layer after every three linear ones.
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
-
-
-def _mla(q_lora_rank: int | None = 48) -> dict[str, Any]:
-    return dict(kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-
-
-def _olmoe(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
-                num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)
-
-
-def _qwen2_moe(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=16,
-                num_experts_per_tok=4, norm_topk_prob=False, layer_types=["full_attention"] * n)
-
-
-def _qwen3_moe(n: int) -> dict[str, Any]:
-    # head_dim * heads != hidden on purpose, as in Qwen3-30B-A3B (32 x 128 over a 2048 residual).
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
-                norm_topk_prob=True)
-
-
-def _qwen3_next(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=16,
-                num_experts_per_tok=4, norm_topk_prob=True, layer_types=_layers_hybrid(n))
-
-
-def _qwen3_5_moe_text(n: int) -> dict[str, Any]:
-    cfg = _qwen3_next(n)
-    for key in ("intermediate_size", "norm_topk_prob"):
-        cfg.pop(key)
-    return cfg
-
-
-def _deepseek_v3(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-                moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-                n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                **_mla())
-
-
-def _deepseek_v32(n: int) -> dict[str, Any]:
-    cfg = _deepseek_v3(n)
-    cfg.update(index_topk=4, index_head_dim=16, index_n_heads=2,
-               mlp_layer_types=["dense" if i < 1 else "sparse" for i in range(n)])
-    return cfg
-
-
-def _deepseek_v4(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=48,
-                moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-                o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
-                partial_rotary_factor=0.25, hc_mult=4, hc_sinkhorn_iters=4,
-                layer_types=[_V4_ATTENTION[i % 3] for i in range(n)],
-                mlp_layer_types=["hash_moe" if i < 1 else "moe" for i in range(n)])
-
-
-# One layer of each DeepSeek-V4 attention kind, so every tensor set appears in a three-layer model.
-_V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
-
-
-def _kimi_linear(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-                moe_intermediate_size=32, num_experts=16, num_experts_per_token=4, num_shared_experts=1,
-                num_expert_group=4, topk_group=2, moe_renormalize=True, routed_scaling_factor=2.5,
-                linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, model_max_length=4096,
-                layer_types=_layers_hybrid(n), mlp_layer_types=["dense" if i < 1 else "sparse" for i in range(n)],
-                **_mla(q_lora_rank=None))
-
-
-def _glm4_moe(n: int) -> dict[str, Any]:
-    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                intermediate_size=128, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
-                n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                norm_topk_prob=True, use_qk_norm=True, attention_bias=True)
-
-
-def _glm4_moe_lite(n: int) -> dict[str, Any]:
-    cfg = _deepseek_v3(n)
-    cfg.pop("first_k_dense_replace")
-    cfg["mlp_layer_types"] = ["dense" if i < 1 else "sparse" for i in range(n)]
-    return cfg
-
-
-def _glm_moe_dsa(n: int) -> dict[str, Any]:
-    cfg = _deepseek_v32(n)
-    cfg["indexer_types"] = ["full"] * n
-    return cfg
+# Recipes. The kinds themselves live in the family packages (each registers a mapping kind -> recipe under the
+# entry-point group ``colibri.testing.tiny``); core keeps the machinery and the pieces several families share.
 
 
 @dataclass(frozen=True)
-class _Spec:
+class ChatStyle:
+    """A tokenizer's special tokens and chat template, in a family's style."""
+
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    template: str
+
+
+@dataclass(frozen=True)
+class TextRecipe:
+    """How to build one tiny causal LM kind with transformers.
+
+    ``fields(n)`` returns the family's own config fields for ``n`` layers (per-layer lists come from it, so a
+    layer-count override regenerates them). ``vision_config``, when set, builds an image-text-to-text wrapper with
+    the fields as its ``text_config``. ``saved_model_type`` rewrites config.json's ``model_type`` after saving, for
+    checkpoints that ship one architecture under their own name."""
+
     model_type: str            # what transformers builds
     layers: int
     fields: Callable[[int], dict[str, Any]]
-    style: str                 # tokenizer / chat-template style
-    # Per-layer lists (layer_types, mlp_layer_types, ...) come from ``fields(n)``, so a layer-count override
-    # regenerates them.
+    style: ChatStyle
+    vision_config: Mapping[str, Any] | None = None
+    saved_model_type: str | None = None
 
 
-_SPECS: dict[str, _Spec] = {
-    "olmoe": _Spec("olmoe", 2, _olmoe, "olmoe"),
-    "qwen2_moe": _Spec("qwen2_moe", 2, _qwen2_moe, "qwen"),
-    "qwen3_moe": _Spec("qwen3_moe", 2, _qwen3_moe, "qwen"),
-    "qwen3_next": _Spec("qwen3_next", 4, _qwen3_next, "qwen"),
-    "qwen3_5_moe_text": _Spec("qwen3_5_moe_text", 4, _qwen3_5_moe_text, "qwen"),
-    "qwen3_5_moe": _Spec("qwen3_5_moe", 4, _qwen3_5_moe_text, "qwen"),
-    "deepseek_v3": _Spec("deepseek_v3", 3, _deepseek_v3, "deepseek"),
-    "deepseek_v32": _Spec("deepseek_v32", 3, _deepseek_v32, "deepseek"),
-    "deepseek_v4": _Spec("deepseek_v4", 3, _deepseek_v4, "deepseek"),
-    "kimi_linear": _Spec("kimi_linear", 4, _kimi_linear, "kimi"),
-    "kimi_k2": _Spec("deepseek_v3", 3, _deepseek_v3, "kimi"),
-    "glm4_moe": _Spec("glm4_moe", 3, _glm4_moe, "glm"),
-    "glm4_moe_lite": _Spec("glm4_moe_lite", 3, _glm4_moe_lite, "glm"),
-    "glm_moe_dsa": _Spec("glm_moe_dsa", 3, _glm_moe_dsa, "glm"),
-}
+Builder = Callable[..., "TinyModel"]   # (out_dir, *, seed, dtype, **overrides) -> TinyModel, for non-LM kinds
+ENTRY_POINT_GROUP = "colibri.testing.tiny"
+
+
+def recipes() -> dict[str, TextRecipe | Builder]:
+    """Every registered kind: each entry point of ``colibri.testing.tiny`` names a mapping kind -> recipe (a
+    ``TextRecipe``, or a builder function for other checkpoints). Loaded once per process."""
+    if not _recipes:
+        from importlib import metadata
+
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            _recipes.update(ep.load())
+    return _recipes
+
+
+_recipes: dict[str, TextRecipe | Builder] = {}
+
+
+def __getattr__(name: str) -> Any:
+    # KINDS / TEXT_KINDS are computed on first use: the family modules that register recipes import this one.
+    if name == "KINDS":
+        return tuple(recipes())
+    if name == "TEXT_KINDS":
+        return tuple(k for k, r in recipes().items() if isinstance(r, TextRecipe))
+    raise AttributeError(name)
+
+
+def hybrid_layer_types(n: int) -> list[str]:
+    """One full-attention layer after every three linear ones (Qwen3-Next / Qwen3.5 / Kimi Linear)."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def dense_then_sparse(n: int) -> list[str]:
+    """``mlp_layer_types``: one leading dense layer, then MoE."""
+    return ["dense" if i < 1 else "sparse" for i in range(n)]
+
+
+def mla_fields(q_lora_rank: int | None = 48) -> dict[str, Any]:
+    """Tiny multi-head latent attention dimensions."""
+    return dict(kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def grouped_moe_mla_fields(n: int) -> dict[str, Any]:
+    """Tiny fields of the sigmoid grouped-MoE + MLA config schema (DeepSeek-V3's, which Kimi K2 and GLM's MLA
+    types share): one leading dense layer, 16 experts top-4 in 4 groups keeping 2, one shared expert."""
+    return dict(num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+                moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                **mla_fields())
+
 
 # Generic override names -> the field each family's config spells them with (first one the config has).
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -221,12 +168,17 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+def tiny_config(kind: str, **overrides: Any) -> dict[str, Any]:
+    """The config fields ``tiny_model(kind, ..., **overrides)`` builds with (the family's own spellings)."""
+    return _tiny_fields(kind, overrides)
+
+
 def _tiny_fields(kind: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    spec = _SPECS[kind]
+    spec = _text_recipe(kind)
     overrides = dict(overrides)
     n = int(overrides.pop("num_layers", overrides.pop("num_hidden_layers", spec.layers)))
     fields = {"vocab_size": VOCAB, "hidden_size": HIDDEN, **spec.fields(n)}
-    if kind != "kimi_linear":
+    if "model_max_length" not in fields:     # a config that states its context under the tokenizer's name
         fields.setdefault("max_position_embeddings", 4096)
     for key, value in overrides.items():
         targets = _ALIASES.get(key, (key,))
@@ -286,7 +238,7 @@ def _distinct_experts(shape: tuple[int, ...], num_experts: int, gen: Any) -> Any
     return torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(rows)]).to(torch.long)
 
 
-def _cast(model: Any, dtype: str) -> None:
+def cast_dtype(model: Any, dtype: str) -> None:
     import torch
 
     if dtype in ("float32", "f32", "fp32"):
@@ -300,7 +252,7 @@ def _cast(model: Any, dtype: str) -> None:
             param.data = param.data.float()
 
 
-def _stored_elements(directory: Path) -> int:
+def stored_elements(directory: Path) -> int:
     from safetensors import safe_open
 
     total = 0
@@ -324,7 +276,7 @@ dozen liquor jugs. 0123456789 + - * / = < > ( ) [ ] { } : ; , . ! ? ' " # @ $ % 
 _STDLIB_SOURCES = ("textwrap.py", "string.py", "json/decoder.py", "this.py")
 
 
-def _training_text() -> list[str]:
+def training_text() -> list[str]:
     """A fixed offline corpus: one embedded paragraph plus a few stdlib source files read from disk."""
     texts = [_CORPUS_PARAGRAPH] * 4
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -335,70 +287,25 @@ def _training_text() -> list[str]:
     return texts
 
 
-@dataclass(frozen=True)
-class _Style:
-    specials: tuple[str, ...]
-    bos: str | None
-    eos: str
-    pad: str
-    template: str
-
-
-_STYLES: dict[str, _Style] = {
-    # Tulu-style turns ended by the GPT-NeoX end-of-text token, as OLMoE-Instruct does.
-    "olmoe": _Style(
-        ("<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"),
-        "<|endoftext|>", "<|endoftext|>", "<|padding|>",
-        "{{ bos_token }}{% for m in messages %}"
-        "{% if m['role'] == 'assistant' %}{{ '<|assistant|>\\n' + m['content'] + eos_token + '\\n' }}"
-        "{% else %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"),
-    # ChatML.
-    "qwen": _Style(
-        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        None, "<|im_end|>", "<|endoftext|>",
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "deepseek": _Style(
-        ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
-        "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
-        "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
-        "{% else %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"),
-    "kimi": _Style(
-        ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-         "[PAD]"),
-        "[BOS]", "<|im_end|>", "[PAD]",
-        "{% for m in messages %}{{ '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + m['content'] + "
-        "'<|im_end|>' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"),
-    "glm": _Style(
-        ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"),
-        None, "<|endoftext|>", "<|endoftext|>",
-        "[gMASK]<sop>{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"),
-}
-
-
-def train_tokenizer(out_dir: Path, style: str, vocab_size: int = VOCAB, max_length: int = 4096,
+def train_tokenizer(out_dir: Path, style: ChatStyle | str, vocab_size: int = VOCAB, max_length: int = 4096,
                     chat_template_in: str = "tokenizer_config") -> dict[str, int | None]:
     """Train a byte-level BPE on the fixed offline corpus and save it in HF layout.
 
+    ``style`` is a :class:`ChatStyle`, or the name of a registered text kind whose style to use.
     Writes ``tokenizer.json`` and ``tokenizer_config.json`` (with the style's ``chat_template`` when
     ``chat_template_in`` is ``"tokenizer_config"``, or a separate ``chat_template.jinja`` when ``"jinja"``).
     Returns the special-token ids: ``{"bos": ..., "eos": ..., "pad": ...}``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    spec = _STYLES[style]
+    spec = style if isinstance(style, ChatStyle) else _text_recipe(style).style
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(spec.specials), min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.train_from_iterator(training_text(), trainer=trainer)
     tok.add_special_tokens(list(spec.specials))
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
@@ -431,9 +338,7 @@ def build_text_model(kind: str, out_dir: str | os.PathLike, *, seed: int = 0, dt
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if kind not in _SPECS:
-        raise ValueError(f"unknown tiny text kind {kind!r}; choose from {', '.join(TEXT_KINDS)}")
-    spec = _SPECS[kind]
+    spec = _text_recipe(kind)
     out = Path(out_dir)
     fields = _tiny_fields(kind, overrides)
     max_length = int(fields.get("max_position_embeddings") or fields.get("model_max_length") or 4096)
@@ -441,168 +346,35 @@ def build_text_model(kind: str, out_dir: str | os.PathLike, *, seed: int = 0, dt
     token_ids = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
 
     torch.manual_seed(seed)
-    if spec.model_type == "qwen3_5_moe":
+    if spec.vision_config is not None:
         config = AutoConfig.for_model(
-            "qwen3_5_moe", text_config={**fields, **token_ids}, tie_word_embeddings=fields.get(
-                "tie_word_embeddings", False),
-            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                               out_hidden_size=HIDDEN, num_position_embeddings=16))
+            spec.model_type, text_config={**fields, **token_ids}, tie_word_embeddings=fields.get(
+                "tie_word_embeddings", False), vision_config=dict(spec.vision_config))
         model = transformers.AutoModelForImageTextToText.from_config(config)
     else:
         config = AutoConfig.for_model(spec.model_type, **fields, **token_ids)
         model = AutoModelForCausalLM.from_config(config)
     num_experts = fields.get("n_routed_experts") or fields.get("num_experts")
     redraw_weights(model, seed, num_experts, salt=kind)
-    _cast(model, dtype)
+    cast_dtype(model, dtype)
     model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=None,
                                                pad_token_id=ids["pad"], do_sample=False)
     model.save_pretrained(str(out), safe_serialization=True)
-    if kind == "kimi_k2":
-        # Real Kimi K2 checkpoints are DeepSeek-V3 architecture under their own model_type.
+    if spec.saved_model_type:
         path = out / "config.json"
         data = json.loads(path.read_text(encoding="utf-8"))
-        data["model_type"] = "kimi_k2"
-        _write_json(path, data)
+        data["model_type"] = spec.saved_model_type
+        write_json(path, data)
     model_type = json.loads((out / "config.json").read_text(encoding="utf-8"))["model_type"]
-    return TinyModel(out, kind, model_type, int(model.num_parameters()), _stored_elements(out))
+    return TinyModel(out, kind, model_type, int(model.num_parameters()), stored_elements(out))
 
 
-def build_diffusers_pipeline(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
-                             **overrides: Any) -> TinyModel:
-    """A tiny Stable-Diffusion-style pipeline (UNet2DCondition + AutoencoderKL + CLIP text encoder + DDIM).
-
-    ``overrides`` go to the UNet config (e.g. ``block_out_channels=(32, 64)``). ``num_parameters`` is the sum over
-    the components' parameters.
-    """
-    import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    out = Path(out_dir)
-    torch.manual_seed(seed)
-    unet_cfg: dict[str, Any] = dict(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-    unet_cfg.update(overrides)
-    unet = UNet2DConditionModel(**unet_cfg)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4,
-                        norm_num_groups=8, layers_per_block=1, sample_size=16)
-    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=1, num_attention_heads=2,
-                                                max_position_embeddings=32, projection_dim=32,
-                                                bos_token_id=0, eos_token_id=1, pad_token_id=1))
-    tok_dir = Path(tempfile.mkdtemp(prefix="colibri-clip-tok-"))
-    try:
-        tokenizer = _clip_tokenizer(tok_dir, CLIPTokenizer)
-        components = {"unet": unet, "vae": vae, "text_encoder": text_encoder}
-        for comp in components.values():
-            redraw_weights(comp, seed)
-            _cast(comp, dtype)
-        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                       scheduler=DDIMScheduler(num_train_timesteps=1000, steps_offset=1,
-                                                                          clip_sample=False), safety_checker=None,
-                                       feature_extractor=None, requires_safety_checker=False)
-        pipe.save_pretrained(str(out), safe_serialization=True)
-    finally:
-        shutil.rmtree(tok_dir, ignore_errors=True)
-    total = sum(sum(p.numel() for p in c.parameters()) for c in components.values())
-    return TinyModel(out, "diffusers", "diffusers", int(total), _stored_elements(out))
-
-
-def _clip_tokenizer(tmp: Path, tokenizer_cls: Any) -> Any:
-    """A CLIP tokenizer over a BPE trained on the offline corpus (vocab.json + merges.txt)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|startoftext|>", "<|endoftext|>"],
-                                  end_of_word_suffix="</w>", initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(_training_text(), trainer=trainer)
-    tok.model.save(str(tmp))
-    merges = tmp / "merges.txt"
-    lines = merges.read_text(encoding="utf-8").splitlines()
-    if not lines or not lines[0].startswith("#version"):
-        merges.write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
-    return tokenizer_cls(vocab_file=str(tmp / "vocab.json"), merges_file=str(merges), model_max_length=32)
-
-
-EXTRACTOR_HEADS: dict[str, tuple[str, ...]] = {
-    # GLiNER2-style heads over the encoder's hidden states: a span representation (start/end projections fused by
-    # an MLP), a classifier scoring each (span or [CLS], label) pair, and a count predictor for structures.
-    "span_rep.project_start": ("0.weight", "0.bias", "3.weight", "3.bias"),
-    "span_rep.project_end": ("0.weight", "0.bias", "3.weight", "3.bias"),
-    "span_rep.out_project": ("0.weight", "0.bias", "3.weight", "3.bias"),
-    "classifier": ("0.weight", "0.bias", "2.weight", "2.bias"),
-    "count_pred": ("0.weight", "0.bias", "2.weight", "2.bias"),
-}
-
-
-def build_extractor(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
-                    **overrides: Any) -> TinyModel:
-    """A GLiNER2-style decision checkpoint: tiny encoder (``encoder.*``) + span/classifier heads.
-
-    ``encoder="bert"`` (default) or ``"deberta-v2"`` (what GLiNER2 ships) picks the encoder; other ``overrides`` go
-    to the encoder config (e.g. ``num_hidden_layers=3``); ``max_width`` and ``max_count`` set the head geometry.
-    ``num_parameters`` = encoder parameters + head parameters.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import BertConfig, BertModel, DebertaV2Config, DebertaV2Model
-
-    out = Path(out_dir)
-    encoder_kind = str(overrides.pop("encoder", "bert"))
-    max_width = int(overrides.pop("max_width", 8))
-    max_count = int(overrides.pop("max_count", 20))
-    enc_fields: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=64, max_position_embeddings=128)
-    torch.manual_seed(seed)
-    if encoder_kind == "bert":
-        enc_fields.update(type_vocab_size=2, **overrides)
-        enc_config = BertConfig(**enc_fields)
-        encoder = BertModel(enc_config, add_pooling_layer=False)
-    elif encoder_kind == "deberta-v2":
-        # deberta-v3-base style: relative attention, no absolute positions, no token types
-        enc_fields.update(type_vocab_size=0, relative_attention=True, position_buckets=16, max_relative_positions=-1,
-                          position_biased_input=False, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
-                          share_att_key=True, **overrides)
-        enc_config = DebertaV2Config(**enc_fields)
-        encoder = DebertaV2Model(enc_config)
-    else:
-        raise ValueError(f"encoder {encoder_kind!r}: use 'bert' or 'deberta-v2'")
-    redraw_weights(encoder, seed, salt="extractor")
-    h = enc_config.hidden_size
-    head_shapes = {
-        "span_rep.project_start": ((4 * h, h), (4 * h,), (h, 4 * h), (h,)),
-        "span_rep.project_end": ((4 * h, h), (4 * h,), (h, 4 * h), (h,)),
-        "span_rep.out_project": ((4 * h, 2 * h), (4 * h,), (h, 4 * h), (h,)),
-        "classifier": ((2 * h, h), (2 * h,), (1, 2 * h), (1,)),
-        "count_pred": ((2 * h, h), (2 * h,), (max_count, 2 * h), (max_count,)),
-    }
-    heads = torch.nn.ParameterDict()
-    for module, leaves in EXTRACTOR_HEADS.items():
-        for leaf, shape in zip(leaves, head_shapes[module]):
-            heads[f"{module}.{leaf}".replace(".", "__")] = torch.nn.Parameter(torch.zeros(shape))
-    redraw_weights(heads, seed, salt="extractor-heads")
-    tensors: dict[str, Any] = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
-    tensors.update({k.replace("__", "."): v.data for k, v in heads.items()})
-    target = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
-    tensors = {k: (v.detach().to(target) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    enc_dict = enc_config.to_dict()
-    for key in ("transformers_version", "_name_or_path", "architectures"):
-        enc_dict.pop(key, None)
-    _write_json(out / "config.json", {
-        "model_type": "extractor", "model_name": f"tiny-{encoder_kind}", "encoder_config": enc_dict,
-        "max_width": max_width, "counting_layer": "count_lstm", "max_count": max_count,
-        "hidden_size": h, "token_pooling": "first",
-    })
-    train_tokenizer(out, "olmoe", VOCAB, enc_fields["max_position_embeddings"])
-    num = sum(p.numel() for p in encoder.parameters()) + sum(p.numel() for p in heads.parameters())
-    return TinyModel(out, "extractor", "extractor", int(num), _stored_elements(out))
+def _text_recipe(kind: str) -> TextRecipe:
+    recipe = recipes().get(kind)
+    if not isinstance(recipe, TextRecipe):
+        text = [k for k, r in recipes().items() if isinstance(r, TextRecipe)]
+        raise ValueError(f"unknown tiny text kind {kind!r}; choose from {', '.join(text) or 'none installed'}")
+    return recipe
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -612,7 +384,7 @@ _memo: dict[str, TinyModel] = {}
 _lock = threading.Lock()
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -621,8 +393,9 @@ def _write_json(path: Path, data: Any) -> None:
 def tiny_model(kind: str, tmp_root: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
                **overrides: Any) -> TinyModel:
     """Build (or reuse) the tiny checkpoint ``kind`` under ``tmp_root``; see the module docstring."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {', '.join(KINDS)}")
+    if kind not in recipes():
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {', '.join(recipes()) or 'none'} "
+                         f"(family packages register kinds under the entry-point group {ENTRY_POINT_GROUP})")
     key_data = json.dumps({"kind": kind, "seed": seed, "dtype": dtype, **overrides}, sort_keys=True, default=str)
     digest = hashlib.sha256(key_data.encode()).hexdigest()[:12]
     root = Path(tmp_root).resolve()
@@ -642,7 +415,7 @@ def tiny_model(kind: str, tmp_root: str | os.PathLike, *, seed: int = 0, dtype: 
                 built = _build_into(kind, out, seed, dtype, overrides)
                 record = asdict(built)
                 record["path"] = str(out)
-                _write_json(sidecar, record)
+                write_json(sidecar, record)
         _memo[memo_key] = built
         return built
 
@@ -652,12 +425,11 @@ def _build_into(kind: str, out: Path, seed: int, dtype: str, overrides: dict[str
     staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out.parent))
     shutil.rmtree(staging)
     try:
-        if kind == "diffusers":
-            built = build_diffusers_pipeline(staging, seed=seed, dtype=dtype, **overrides)
-        elif kind == "extractor":
-            built = build_extractor(staging, seed=seed, dtype=dtype, **overrides)
-        else:
+        recipe = recipes()[kind]
+        if isinstance(recipe, TextRecipe):
             built = build_text_model(kind, staging, seed=seed, dtype=dtype, **overrides)
+        else:
+            built = recipe(staging, seed=seed, dtype=dtype, **overrides)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

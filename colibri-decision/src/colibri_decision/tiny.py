@@ -1,0 +1,100 @@
+"""A tiny random-weight GLiNER2-style decision checkpoint for tests (``colibri.testing.tiny.tiny_model(
+"extractor", ...)``): a transformers encoder plus span/classifier heads.
+
+Registered under the entry-point group ``colibri.testing.tiny``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from colibri.testing.tiny import (
+    VOCAB, ChatStyle, TinyModel, redraw_weights, stored_elements, train_tokenizer, write_json,
+)
+
+# The encoder's tokenizer: a byte-level BPE with end-of-text and padding tokens (the heads never read a chat
+# template; one is written so the checkpoint looks like any other).
+STYLE = ChatStyle(("<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"),
+                  "<|endoftext|>", "<|endoftext|>", "<|padding|>",
+                  "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}")
+
+
+EXTRACTOR_HEADS: dict[str, tuple[str, ...]] = {
+    # GLiNER2-style heads over the encoder's hidden states: a span representation (start/end projections fused by
+    # an MLP), a classifier scoring each (span or [CLS], label) pair, and a count predictor for structures.
+    "span_rep.project_start": ("0.weight", "0.bias", "3.weight", "3.bias"),
+    "span_rep.project_end": ("0.weight", "0.bias", "3.weight", "3.bias"),
+    "span_rep.out_project": ("0.weight", "0.bias", "3.weight", "3.bias"),
+    "classifier": ("0.weight", "0.bias", "2.weight", "2.bias"),
+    "count_pred": ("0.weight", "0.bias", "2.weight", "2.bias"),
+}
+
+
+def build_extractor(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
+                    **overrides: Any) -> TinyModel:
+    """A GLiNER2-style decision checkpoint: tiny encoder (``encoder.*``) + span/classifier heads.
+
+    ``encoder="bert"`` (default) or ``"deberta-v2"`` (what GLiNER2 ships) picks the encoder; other ``overrides`` go
+    to the encoder config (e.g. ``num_hidden_layers=3``); ``max_width`` and ``max_count`` set the head geometry.
+    ``num_parameters`` = encoder parameters + head parameters.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel, DebertaV2Config, DebertaV2Model
+
+    out = Path(out_dir)
+    encoder_kind = str(overrides.pop("encoder", "bert"))
+    max_width = int(overrides.pop("max_width", 8))
+    max_count = int(overrides.pop("max_count", 20))
+    enc_fields: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    if encoder_kind == "bert":
+        enc_fields.update(type_vocab_size=2, **overrides)
+        enc_config = BertConfig(**enc_fields)
+        encoder = BertModel(enc_config, add_pooling_layer=False)
+    elif encoder_kind == "deberta-v2":
+        # deberta-v3-base style: relative attention, no absolute positions, no token types
+        enc_fields.update(type_vocab_size=0, relative_attention=True, position_buckets=16, max_relative_positions=-1,
+                          position_biased_input=False, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                          share_att_key=True, **overrides)
+        enc_config = DebertaV2Config(**enc_fields)
+        encoder = DebertaV2Model(enc_config)
+    else:
+        raise ValueError(f"encoder {encoder_kind!r}: use 'bert' or 'deberta-v2'")
+    redraw_weights(encoder, seed, salt="extractor")
+    h = enc_config.hidden_size
+    head_shapes = {
+        "span_rep.project_start": ((4 * h, h), (4 * h,), (h, 4 * h), (h,)),
+        "span_rep.project_end": ((4 * h, h), (4 * h,), (h, 4 * h), (h,)),
+        "span_rep.out_project": ((4 * h, 2 * h), (4 * h,), (h, 4 * h), (h,)),
+        "classifier": ((2 * h, h), (2 * h,), (1, 2 * h), (1,)),
+        "count_pred": ((2 * h, h), (2 * h,), (max_count, 2 * h), (max_count,)),
+    }
+    heads = torch.nn.ParameterDict()
+    for module, leaves in EXTRACTOR_HEADS.items():
+        for leaf, shape in zip(leaves, head_shapes[module]):
+            heads[f"{module}.{leaf}".replace(".", "__")] = torch.nn.Parameter(torch.zeros(shape))
+    redraw_weights(heads, seed, salt="extractor-heads")
+    tensors: dict[str, Any] = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
+    tensors.update({k.replace("__", "."): v.data for k, v in heads.items()})
+    target = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
+    tensors = {k: (v.detach().to(target) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    enc_dict = enc_config.to_dict()
+    for key in ("transformers_version", "_name_or_path", "architectures"):
+        enc_dict.pop(key, None)
+    write_json(out / "config.json", {
+        "model_type": "extractor", "model_name": f"tiny-{encoder_kind}", "encoder_config": enc_dict,
+        "max_width": max_width, "counting_layer": "count_lstm", "max_count": max_count,
+        "hidden_size": h, "token_pooling": "first",
+    })
+    train_tokenizer(out, STYLE, VOCAB, enc_fields["max_position_embeddings"])
+    num = sum(p.numel() for p in encoder.parameters()) + sum(p.numel() for p in heads.parameters())
+    return TinyModel(out, "extractor", "extractor", int(num), stored_elements(out))
+
+
+TINY_MODELS = {"extractor": build_extractor}
