@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("colibri_olmoe")
 
-from colibri.testing.tiny import tiny_model  # noqa: E402
+from colibri.testing.tiny import tiny_model
 
 ADDRESS_SPACE = 2 << 30          # the whole child (interpreter, numpy, tokenizers) runs in 2 GiB of address space
 TIMEOUT = 300                    # for every case and command together

@@ -17,9 +17,9 @@ import time
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture
 
-from colibri.server.connections import RateLimitedLog, install_fd_exhaustion_log  # noqa: E402
+from colibri.server.connections import RateLimitedLog, install_fd_exhaustion_log
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 DEADLINE = 0.5
@@ -237,7 +237,7 @@ def finish(proc) -> str:
     proc.stdin.close()
     try:
         proc.wait(timeout=30)
-    except Exception:  # noqa: BLE001 - a stuck server must not hang the suite
+    except Exception:
         proc.kill()
         proc.wait()
     return proc.stderr.read().decode(errors="replace")

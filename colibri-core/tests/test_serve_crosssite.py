@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture
 
-from colibri.server.crosssite import CrossSitePolicy, split_host  # noqa: E402
+from colibri.server.crosssite import CrossSitePolicy, split_host
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 EVIL = "http://evil.example"

@@ -30,7 +30,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import connect, raw_request, read_at_least  # noqa: E402
+from serve_harness import connect, raw_request, read_at_least
 
 CTX = 256
 COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]

@@ -17,10 +17,10 @@ import time
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import (  # noqa: E402
+from serve_harness import (
     connect, raw_request, read_at_least, start_server, tokenizer_dir_fixture, wait_until)
 
-from colibri.server.generation import _cancel_and_undo  # noqa: E402
+from colibri.server.generation import _cancel_and_undo
 
 
 model_dir = tokenizer_dir_fixture("serve-hangups")
@@ -59,7 +59,7 @@ def test_hang_ups_at_any_moment_always_cancel_and_free_the_slot(model_dir):
                         read_at_least(sock, rng.randrange(200, 2000))   # mid-stream, tokens arriving
                 finally:
                     sock.close()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:
             failures.append(exc)
 
     try:

@@ -16,9 +16,9 @@ import httpx
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
-from serve_harness import start_server, tokenizer_dir_fixture  # noqa: E402
+from serve_harness import start_server, tokenizer_dir_fixture
 
-from colibri.server.prompt_bound import CONSERVATIVE_FACTOR, prompt_bound  # noqa: E402
+from colibri.server.prompt_bound import CONSERVATIVE_FACTOR, prompt_bound
 
 
 model_dir = tokenizer_dir_fixture("serve-bound")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import configs
+from . import configs, hooks
 from .checkpoint import DTYPE_BYTES, LAYER_INDEX, ShardHeader, TensorInfo
 from .errors import CheckpointError, ColibriError
 from .records import Geometry, ResolvedModel, TensorLayout
@@ -234,10 +234,8 @@ def layout_checks(layout: TensorLayout, tensors: Any, geometry: Geometry, model_
 
 def check_tokenizer_loads(model: ResolvedModel, vocab_size: int) -> tuple[Check, Any]:
     """The family's tokenizer loads and fits the model's embedding; returns the check and the tokenizer."""
-    from .inventory import family_answer
-
     try:
-        tok = family_answer(model, "load_tokenizer")
+        tok = hooks.load_tokenizer(model)
     except ColibriError as exc:
         return Check("tokenizer loads", FAIL, exc.one_line()), None
     except Exception as exc:    # a tokenizer library's own error on a malformed file

@@ -115,7 +115,7 @@ def serve_command(
         help="Allow browser requests from this origin (repeatable; CORS is off without it)."),
     max_body: str = typer.Option(str(DEFAULT_MAX_BODY), "--max-body", help="Largest request body (bytes, or "
                                  "e.g. 1MiB); larger ones get 413."),
-    allowed_host: list[str] | None = typer.Option(  # noqa: B008
+    allowed_host: list[str] | None = typer.Option(
         None, "--allowed-host", metavar="NAME",
         help="Also answer requests whose Host is NAME (repeatable; .example.com: and its subdomains; * = any). "
              "IP addresses, localhost and the --host name are always allowed."),

@@ -119,7 +119,7 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
         _idle_cycle: Any = None      # the cycle that was current when the deadline was armed
         _partial = False             # bytes of the next request arrived since then
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             peer = transport.get_extra_info("peername")
             self._client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "unix"

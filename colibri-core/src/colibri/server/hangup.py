@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 log = logging.getLogger("colibri.server")
@@ -20,7 +20,7 @@ log = logging.getLogger("colibri.server")
 class HangUpWatch:
     """Watches one request's ``receive`` for ``http.disconnect``; start it after the body has been read."""
 
-    def __init__(self, receive: Callable[[], Awaitable[dict[str, Any]]]):
+    def __init__(self, receive: Callable[[], Awaitable[MutableMapping[str, Any]]]):
         self._receive = receive
         self._callbacks: list[Callable[[], None]] = []
         self.gone = asyncio.Event()
@@ -57,12 +57,12 @@ class HangUpWatch:
                 message = await self._receive()
                 if message.get("type") == "http.disconnect":
                     break
-        except Exception as exc:  # noqa: BLE001 - a broken receive channel is a client that is gone
+        except Exception as exc:
             log.debug("receive failed while watching for a hang-up: %s", exc)
         self.gone.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             try:
                 callback()
-            except Exception:  # noqa: BLE001 - one failing callback must not keep the others from running
+            except Exception:
                 log.exception("hang-up callback failed")

@@ -52,7 +52,7 @@ def prompt_bound(backend: Any) -> PromptBound:
     exact = (shrink is not None and _keeps_every_byte(pre) and _model_keeps_every_byte(description.get("model"),
                                                                                        byte_level)
              and not any(t.get("lstrip") or t.get("rstrip") for t in added))
-    factor = shrink if exact else CONSERVATIVE_FACTOR * (shrink or 1)
+    factor = shrink if exact and shrink is not None else CONSERVATIVE_FACTOR * (shrink or 1)
     return PromptBound(longest * factor, exact)
 
 
