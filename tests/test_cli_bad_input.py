@@ -40,6 +40,7 @@ def argv(*args: str) -> list[str]:
 def environment(**extra: str) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLIBRI_LOAD_PLUGINS": "olmoe", "NO_COLOR": "1"}
     env.pop("COLI_DEBUG", None)
+    env.pop("COLIBRI_DEBUG", None)
     return {**env, **extra}
 
 

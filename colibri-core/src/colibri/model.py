@@ -8,16 +8,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from . import plugins
+from . import envvars, plugins
 from .errors import ConfigError, FamilyError, ModelNotFoundError, UsageError
 from .records import Claim, ResolvedModel
 
-MODEL_ENV = "COLI_MODEL"
+MODEL_ENV = envvars.MODEL
 
 
 def model_dir_from(option: str | os.PathLike | None) -> Path:
-    """The model directory from ``--model`` or ``COLI_MODEL``; never an invented default."""
-    value = option if option not in (None, "") else os.environ.get(MODEL_ENV)
+    """The model directory from ``--model`` or ``COLIBRI_MODEL`` (alias ``COLI_MODEL``); never an invented default."""
+    value = option if option not in (None, "") else envvars.getenv(MODEL_ENV)
     if not value:
         raise UsageError("no model given", f"pass --model DIR or set {MODEL_ENV}=DIR to a checkpoint directory")
     path = Path(value).expanduser()

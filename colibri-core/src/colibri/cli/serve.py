@@ -14,6 +14,7 @@ import time
 
 import typer
 
+from .. import envvars
 from ..errors import EngineError, UsageError
 from ..server.config import (
     API_KEY_ENV,
@@ -90,7 +91,7 @@ def serve_command(
                                   "beyond that the server answers 429 with Retry-After."),
     queue_timeout: float = typer.Option(DEFAULT_QUEUE_TIMEOUT_S, "--queue-timeout", help="Seconds a request may "
                                         "wait for a slot before it gets 429."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+    api_key: str | None = typer.Option(None, "--api-key", envvar=envvars.names(API_KEY_ENV), show_envvar=True,
                                           help="Require this key on every route but /health (Bearer, or "
                                                "x-api-key on /v1/messages)."),
     ctx: int | None = typer.Option(None, "--ctx", help="Context per slot in tokens (prompt + completion); "
