@@ -44,9 +44,10 @@ def environment(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def coli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv(*args), capture_output=True, text=True, timeout=TIMEOUT, env=environment(**env),
-                          check=False)
+def coli(*args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
+    """The installed ``coli`` with ``args``, ``stdin`` as its standard input (never the test runner's)."""
+    return subprocess.run(argv(*args), input=stdin, capture_output=True, text=True, timeout=TIMEOUT,
+                          env=environment(**env), check=False)
 
 
 def one_error_line(stderr: str, returncode: int) -> str:

@@ -5,7 +5,6 @@ stdin, output ending in a newline, flags refused with their range, help without 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ pytest.importorskip("colibri_olmoe")
 
 from colibri.builder import build_family  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
-from test_cli_bad_input import TIMEOUT, argv, coli, environment, one_error_line  # noqa: E402
+from test_cli_bad_input import coli, one_error_line  # noqa: E402
 
 GREEDY = ("--raw", "--temp", "0", "--max-tokens", "6")
 
@@ -25,24 +24,19 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_model("olmoe", tmp_path_factory.mktemp("habits"), seed=4).path
 
 
-def coli_stdin(stdin: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv(*args), input=stdin, capture_output=True, text=True, timeout=TIMEOUT,
-                          env=environment(**env), check=False)
-
-
 def test_run_reads_the_prompt_from_stdin_and_ends_with_a_newline(model_dir):
-    given = coli_stdin("", "run", "def fibonacci(n):", "--model", str(model_dir), *GREEDY)
+    given = coli("run", "def fibonacci(n):", "--model", str(model_dir), *GREEDY)
     assert given.returncode == 0, given.stderr
     assert given.stdout.endswith("\n") and given.stdout.strip()
-    piped = coli_stdin("def fibonacci(n):", "run", "--model", str(model_dir), *GREEDY)
+    piped = coli("run", "--model", str(model_dir), *GREEDY, stdin="def fibonacci(n):")
     assert piped.returncode == 0, piped.stderr
-    dash = coli_stdin("def fibonacci(n):", "run", "--prompt-file", "-", "--model", str(model_dir), *GREEDY)
+    dash = coli("run", "--prompt-file", "-", "--model", str(model_dir), *GREEDY, stdin="def fibonacci(n):")
     assert dash.returncode == 0, dash.stderr
     assert piped.stdout == dash.stdout == given.stdout
 
 
 def test_empty_stdin_is_no_prompt(model_dir):
-    done = coli_stdin("", "run", "--model", str(model_dir), *GREEDY)
+    done = coli("run", "--model", str(model_dir), *GREEDY)
     line = one_error_line(done.stderr, done.returncode)
     assert "no prompt given" in line and "stdin" in line
 
@@ -56,7 +50,7 @@ def test_empty_stdin_is_no_prompt(model_dir):
 def test_out_of_range_flags_are_refused_with_the_range(model_dir, flag, value, expected):
     experts = json.loads((model_dir / "config.json").read_text())["num_experts"]
     for command in (["run", "hi"], ["chat"]):
-        done = coli_stdin("", *command, "--model", str(model_dir), flag, value)
+        done = coli(*command, "--model", str(model_dir), flag, value)
         line = one_error_line(done.stderr, done.returncode)
         assert expected in line, line
         if flag == "--cap":
@@ -64,7 +58,7 @@ def test_out_of_range_flags_are_refused_with_the_range(model_dir, flag, value, e
 
 
 def test_chat_answers_an_unknown_command_with_the_list(model_dir):
-    done = coli_stdin("/sttas\n/exit\n", "chat", "--model", str(model_dir), "--temp", "0")
+    done = coli("chat", "--model", str(model_dir), "--temp", "0", stdin="/sttas\n/exit\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""                                     # nothing went to the model
     line = next(ln for ln in done.stderr.splitlines() if "unknown command" in ln)
@@ -117,10 +111,10 @@ def short_model(tmp_path_factory) -> Path:
 
 def test_a_too_long_prompt_never_suggests_a_ctx_above_the_models_maximum(short_model):
     prompt = "a b c d " * 5                                       # more than 16, fewer than 64 tokens
-    done = coli_stdin("", "run", prompt, "--model", str(short_model), "--raw", "--ctx", "16", "-n", "500")
+    done = coli("run", prompt, "--model", str(short_model), "--raw", "--ctx", "16", "-n", "500")
     line = one_error_line(done.stderr, done.returncode)
     assert "--ctx 16 leaves no room" in line and "pass --ctx 64 (the model's maximum)" in line
-    done = coli_stdin("", "run", prompt * 8, "--model", str(short_model), "--raw", "--ctx", "64")
+    done = coli("run", prompt * 8, "--model", str(short_model), "--raw", "--ctx", "64")
     line = one_error_line(done.stderr, done.returncode)
     assert "shorten the prompt below 64 tokens" in line and "--ctx 6" not in line.split("(", 1)[1]
 

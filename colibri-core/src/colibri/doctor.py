@@ -18,6 +18,7 @@ from .checkpoint import DTYPE_BYTES, ShardHeader, TensorInfo, read_header, read_
 from .errors import ColibriError
 from .inventory import family_answer, geometry_of, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
+from .prompt import NO_TEMPLATE_NOTICE
 from .records import Geometry, ResolvedModel, ShardSet, TensorLayout
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -117,9 +118,27 @@ def check_tokenizer(model_dir: Path, needs_tokenizer: bool) -> Check:
                  detail + ("; copy the checkpoint's tokenizer files into the directory" if needs_tokenizer else ""))
 
 
-def check_chat_template(model_dir: Path, is_language_model: bool) -> Check:
+def check_loaded_tokenizer(model: ResolvedModel) -> tuple[Check, Any]:
+    """The tokenizer exactly as run/chat/serve load it (the family's ``load_tokenizer``): doctor passes what they
+    can load and fails, with their error, what they cannot. Returns the check and the tokenizer (None if failed)."""
+    tok, failed = _guarded("tokenizer", lambda: family_answer(model, "load_tokenizer"))
+    if failed:
+        return failed, None
+    source = getattr(tok, "source", None)
+    size = getattr(tok, "vocab_size", None)
+    detail = ", ".join(str(part) for part in (source.name if source else "loaded by the family",
+                                              f"{size} tokens" if size else None) if part)
+    return Check("tokenizer", PASS, detail), tok
+
+
+def check_chat_template(model_dir: Path, is_language_model: bool, tok: Any = None) -> Check:
+    """With the loaded tokenizer, its templates (a family may bring its own); without one, the template files."""
     if not is_language_model:
         return Check("chat template", PASS, "not needed (not a language model)")
+    if tok is not None and hasattr(tok, "templates"):
+        if tok.has_chat_template:
+            return Check("chat template", PASS, ", ".join(t.origin for t in tok.templates.values()))
+        return Check("chat template", WARN, f"{model_dir}: {NO_TEMPLATE_NOTICE}")
     for name in ("chat_template.jinja", "chat_template.json"):
         if (model_dir / name).is_file():
             return Check("chat template", PASS, name)
@@ -131,8 +150,7 @@ def check_chat_template(model_dir: Path, is_language_model: bool) -> Check:
             return Check("chat template", FAIL, f"{tok_config}: not valid JSON ({exc})")
         if isinstance(data, dict) and data.get("chat_template"):
             return Check("chat template", PASS, "tokenizer_config.json chat_template")
-    return Check("chat template", WARN, f"{model_dir}: no chat template (tokenizer_config.json chat_template or "
-                                        "chat_template.jinja); coli chat needs one, plain completion does not")
+    return Check("chat template", WARN, f"{model_dir}: {NO_TEMPLATE_NOTICE}")
 
 
 @dataclass
@@ -346,8 +364,13 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
         return checks + [failed]
 
     is_lm = geometry.vocab_size > 0
-    checks.append(check_tokenizer(model_dir, needs_tokenizer=is_lm))
-    checks.append(check_chat_template(model_dir, is_lm))
+    tok = None
+    if is_lm:
+        tokenizer_check, tok = check_loaded_tokenizer(model)
+        checks.append(tokenizer_check)
+    else:
+        checks.append(check_tokenizer(model_dir, needs_tokenizer=False))
+    checks.append(check_chat_template(model_dir, is_lm, tok))
 
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
     scan = ShardScan()

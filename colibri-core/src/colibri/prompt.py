@@ -14,7 +14,11 @@ from .errors import UsageError
 from .tokenizer import TextTokenizer
 
 MAX_TEMPERATURE = 2.0          # as the OpenAI API (and coli serve) accept
-NO_TEMPLATE_NOTICE = "the checkpoint has no chat template: sending the prompt as plain text"
+# What every command says about a checkpoint without a chat template (doctor, run, chat, serve say the same).
+NO_TEMPLATE_NOTICE = ("no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json "
+                      "chat_template): coli run and coli chat send plain text, coli serve refuses chat requests "
+                      "(use /v1/completions); add the model's chat_template.jinja to chat")
+NO_TEMPLATE_FIX = "use /v1/completions with a plain prompt, or add the model's chat_template.jinja and restart"
 
 
 @dataclass(frozen=True)

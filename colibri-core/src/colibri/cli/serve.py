@@ -119,7 +119,8 @@ def serve_command(
     from ..inventory import family_answer
     from ..launch import prepare, start
     from ..model import resolve_model
-    from ..prompt import checkpoint_sampling
+    from ..console import print_warning
+    from ..prompt import NO_TEMPLATE_NOTICE, checkpoint_sampling
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
 
@@ -142,6 +143,8 @@ def serve_command(
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
+    if not codec.tokenizer.has_chat_template:
+        print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..prompt import NO_TEMPLATE_FIX
 from ..tokenizer import TextTokenizer, load_tokenizer_dir
 
 
@@ -29,7 +30,7 @@ class TokenizerCodec:
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template, so chat requests cannot be rendered",
-                              "use /v1/completions with a plain prompt")
+                              NO_TEMPLATE_FIX)
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def text_ids(self, text: str) -> list[int]:
