@@ -38,9 +38,11 @@ class Check:
     status: str
     detail: str
     problems: tuple[str, ...] = ()
+    fix: str = ""            # what to do, when the failure says it (else the closing hint is about the files)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems)}
+        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems),
+                "fix": self.fix}
 
 
 def _summarise(name: str, problems: list[str], ok_detail: str) -> Check:
@@ -333,7 +335,7 @@ def _guarded(name: str, fn: Callable[[], Any]) -> tuple[Any, Check | None]:
     try:
         return fn(), None
     except ColibriError as exc:
-        return None, Check(name, FAIL, exc.one_line())
+        return None, Check(name, FAIL, exc.one_line(), (exc.message,), exc.hint or "")
 
 
 def diagnose(model_option: str | Path | None, family: str | None = None, deep: bool = False) -> list[Check]:
@@ -349,7 +351,8 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
         checks.append(Check("config", PASS if marker else WARN,
                             f"no config.json; {marker} present" if marker else f"{model_dir}: no config.json"))
     else:
-        checks.append(Check("config", PASS, f"config.json, model_type {config.get('model_type')!r}"))
+        declared = f"model_type {config['model_type']!r}" if "model_type" in config else "no model_type field"
+        checks.append(Check("config", PASS, f"config.json, {declared}"))
 
     model, failed = _guarded("family", lambda: resolve_model(model_dir, family))
     if failed:
@@ -405,8 +408,10 @@ class DoctorFailed(ColibriError):
     def __init__(self, failed_checks: list[Check], deep: bool):
         first = failed_checks[0]
         problem = first.problems[0] if first.problems else first.detail
-        hint = "fix or re-download the files named above"
-        if not deep:
-            hint += "; coli doctor --deep also checks every tensor"
+        hint = first.fix
+        if not hint:   # a file-level problem: the tensor or shard named above
+            hint = "fix or re-download the files named above"
+            if not deep:
+                hint += "; coli doctor --deep also checks every tensor"
         super().__init__(f"{len(failed_checks)} check(s) failed; {first.name}: {problem}", hint)
         self.checks = failed_checks

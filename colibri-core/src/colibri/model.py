@@ -51,6 +51,14 @@ def _installed_family_names() -> str:
     return ", ".join(names) if names else "none"
 
 
+def package_for_model_type(model_type: Any) -> str | None:
+    """The package that runs ``model_type``, from the help-text table family_packages.json (never a branch)."""
+    from importlib.resources import files
+
+    table = json.loads(files(__package__).joinpath("family_packages.json").read_text(encoding="utf-8"))
+    return table["packages"].get(model_type) if isinstance(model_type, str) else None
+
+
 def collect_claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
     pm = plugins.manager()
     return [c for c in pm.hook.detect_config(model_dir=model_dir, config=config) if c is not None]
@@ -76,8 +84,22 @@ def resolve_model(option: str | os.PathLike | None, family: str | None = None) -
             if not any(model_dir.glob("*.safetensors")) and not (model_dir / "model_index.json").exists():
                 raise ModelNotFoundError(f"{model_dir}: no config.json and no weights",
                                          "point --model at a Hugging Face checkpoint directory")
+        elif "model_type" not in config:
+            raise FamilyError(f"{model_dir / 'config.json'}: no model_type field, and no installed family "
+                              "recognises the config without one",
+                              "restore config.json from the original checkpoint (its model_type names the "
+                              f"architecture); installed families: {_installed_family_names()}")
         else:
             marker = f"model_type {config.get('model_type')!r}"
+            package = package_for_model_type(config.get("model_type"))
+            entries = [f for f in plugins.families().values() if f.package == package]
+            broken = [f for f in entries if f.error]
+            if broken:
+                raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs {package}, whose plugin failed to "
+                                  f"load ({broken[0].error})", f"reinstall {package}; coli families shows the error")
+            if package is not None and not entries:
+                raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs the family package {package}, "
+                                  "which is not installed", f"pip install {package}")
         raise FamilyError(f"{model_dir / 'config.json'}: {marker} is not claimed by any installed family",
                           f"installed families: {_installed_family_names()}; install the family package for it")
     if len(claims) > 1:
