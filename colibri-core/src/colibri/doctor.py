@@ -368,11 +368,12 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
 
     is_lm = geometry.vocab_size > 0
     tok = None
-    if is_lm:
+    limits, _ = _guarded("limits", lambda: family_answer(model, "limits"))
+    if is_lm and limits is not None and limits.has_engine:   # what run/chat/serve would load, loaded the same way
         tokenizer_check, tok = check_loaded_tokenizer(model)
         checks.append(tokenizer_check)
-    else:
-        checks.append(check_tokenizer(model_dir, needs_tokenizer=False))
+    else:   # a model the engine commands do not run (a pipeline, an extractor): its tokenizer files are there
+        checks.append(check_tokenizer(model_dir, needs_tokenizer=is_lm))
     checks.append(check_chat_template(model_dir, is_lm, tok))
 
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import io
 import itertools
 import json
 import os
@@ -29,6 +30,7 @@ import numpy as np
 
 from .errors import EngineError
 
+STDOUT_READ_BYTES = 1 << 20
 DEFAULT_READY_TIMEOUT = float(os.environ.get("COLIBRI_READY_TIMEOUT", "900"))
 STDERR_TAIL_LINES = 40
 STDERR_LINES_IN_ERROR = 3
@@ -309,7 +311,11 @@ class Engine:
 
     def _read_stdout(self) -> None:
         try:
-            for raw in iter(self.proc.stdout.readline, b""):
+            # stdout is unbuffered (bufsize=0): readline on it would make one read() per byte, which costs more
+            # than the engine's work on a logits row. A buffered reader reads what the pipe holds at once and still
+            # hands over each line as soon as it is complete.
+            reader = io.BufferedReader(self.proc.stdout, STDOUT_READ_BYTES)
+            for raw in iter(reader.readline, b""):
                 self._route(raw)
         except (OSError, ValueError):
             pass
