@@ -127,3 +127,12 @@ def test_environment_names_share_one_prefix():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for new, old in envvars.ALIASES.items():
         assert new in readme and old in readme, (new, old)
+
+
+def test_a_too_long_chat_message_never_suggests_a_ctx_above_the_models_maximum(short_model):
+    message = "a b c d " * 40 + "\n"                              # more than 64 tokens with the template
+    for ctx, hint in (("64", "(send a shorter message (64 is the model's maximum context))"),
+                      ("32", "(send a shorter message or restart with a larger --ctx (at most 64))")):
+        done = coli("chat", "--model", str(short_model), "--ctx", ctx, "--temp", "0", stdin=message)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 0 and len(errors) == 1 and errors[0].endswith(hint), done.stderr

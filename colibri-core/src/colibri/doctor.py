@@ -326,7 +326,8 @@ def check_container(model_dir: Path, model: ResolvedModel) -> tuple[Check, Any]:
               f"({', '.join(schemes) or 'no quantized tensors'})")
     if missing:
         return Check("container", FAIL, f"{detail}; the {model.family} engine does not run {', '.join(missing)} "
-                                        f"(it runs {', '.join(supported) or 'no quantized weights'})"), container
+                                        f"(it runs {', '.join(supported) or 'no quantized weights'})",
+                     fix="run the source checkpoint, or reconvert with schemes the family supports"), container
     return Check("container", PASS, detail), container
 
 

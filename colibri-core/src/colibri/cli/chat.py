@@ -110,7 +110,8 @@ def chat_command(
     source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
 
     with launch.start(spec) as engine:
-        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs)
+        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs,
+                              max_ctx=launch.max_ctx(spec.facts))
         if session.notice:
             print_warning(session.notice)
         if interactive:
