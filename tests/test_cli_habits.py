@@ -63,6 +63,9 @@ def test_chat_answers_an_unknown_command_with_the_list(model_dir):
     assert done.stdout == ""                                     # nothing went to the model
     line = next(ln for ln in done.stderr.splitlines() if "unknown command" in ln)
     assert line.startswith("error: unknown command /sttas") and "/reset" in line and "/stats" in line
+    escaped = coli("chat", "--model", str(model_dir), "--temp", "0", "--max-tokens", "4", stdin="//sttas\n/exit\n")
+    assert escaped.returncode == 0 and escaped.stdout.strip()     # "//" sends "/sttas" to the model
+    assert "unknown command" not in escaped.stderr
 
 
 @pytest.mark.parametrize("command", [["run"], ["chat"], ["serve"], ["doctor"], ["families"], ["bench", "quality"],
