@@ -46,17 +46,36 @@ def test_a_config_without_model_type_says_so(short_model, tmp_path):
     assert doctor[0]["detail"] == "config.json, no model_type field"
 
 
-def test_a_known_model_type_without_its_family_names_the_package(short_model, tmp_path):
-    """Only the olmoe plugin is loaded (COLIBRI_LOAD_PLUGINS=olmoe): a qwen3_moe checkpoint needs colibri-qwen."""
+def test_a_known_model_type_without_its_family_names_the_package(short_model, tmp_path, monkeypatch):
+    """Only the olmoe plugin is loaded (COLIBRI_LOAD_PLUGINS=olmoe): a qwen3_moe checkpoint needs colibri-qwen,
+    which this venv has installed (so the hint is the plugin selection), and which a user without it installs."""
     other = with_config(short_model, tmp_path / "other", model_type="qwen3_moe")
     done = coli("run", "hi", "--model", str(other))
     line = one_error_line(done.stderr, done.returncode)
-    assert "model_type 'qwen3_moe' needs the family package colibri-qwen" in line
-    assert line.endswith("(pip install colibri-qwen)")
+    assert "model_type 'qwen3_moe' needs the family package colibri-qwen, which is installed but not loaded" in line
+    assert line.endswith("(check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS)")
     done = coli("doctor", "--model", str(other))
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1 and lines[-1].endswith("(pip install colibri-qwen)"), done.stderr
-    assert "re-download" not in done.stderr
+    assert done.returncode == 1 and "re-download" not in done.stderr
+    assert lines[-1].endswith("(check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS)"), done.stderr
+
+    from typer.testing import CliRunner
+
+    from colibri import model, plugins
+    from colibri.cli import app
+
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "olmoe")
+    monkeypatch.setattr(model, "_is_installed", lambda package: False)   # a machine without colibri-qwen
+    plugins.reset()
+    try:
+        for command in ("run", "doctor"):
+            result = CliRunner().invoke(app, [command, "--model", str(other), *(["hi"] if command == "run" else [])])
+            assert result.exit_code == 1
+            last = result.stderr.strip().splitlines()[-1]
+            assert "needs the family package colibri-qwen, which is not installed" in last
+            assert last.endswith("(pip install colibri-qwen)"), last
+    finally:
+        plugins.reset()
 
 
 def test_the_package_table_knows_every_family_of_this_repository():

@@ -161,7 +161,15 @@ def test_family_that_does_not_exist_or_does_not_claim(olmoe_family, tiny_olmoe, 
 
 def test_no_family_claims(no_installed_plugins, tiny_olmoe):
     line = one_error_line(runner.invoke(app, ["info", "--model", str(tiny_olmoe.path)]))
-    assert "'olmoe'" in line and "not claimed" in line and "installed families: none" in line
+    assert "model_type 'olmoe' needs the family package colibri-olmoe, which is installed but not loaded" in line
+    assert line.endswith("(check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS)")
+
+
+def test_an_unknown_model_type_lists_the_installed_families(olmoe_family, tiny_olmoe, tmp_path):
+    config = json.loads((tiny_olmoe.path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "nobody_runs_this"}))
+    line = one_error_line(runner.invoke(app, ["info", "--model", str(tmp_path)]))
+    assert "model_type 'nobody_runs_this' is not claimed" in line and "testolmoe" in line
 
 
 # ------------------------------------------------------------------------------------------------- families

@@ -59,6 +59,16 @@ def package_for_model_type(model_type: Any) -> str | None:
     return table["packages"].get(model_type) if isinstance(model_type, str) else None
 
 
+def _is_installed(package: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def collect_claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
     pm = plugins.manager()
     return [c for c in pm.hook.detect_config(model_dir=model_dir, config=config) if c is not None]
@@ -98,6 +108,10 @@ def resolve_model(option: str | os.PathLike | None, family: str | None = None) -
                 raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs {package}, whose plugin failed to "
                                   f"load ({broken[0].error})", f"reinstall {package}; coli families shows the error")
             if package is not None and not entries:
+                if _is_installed(package):   # present, but COLIBRI_LOAD_PLUGINS / COLIBRI_DISABLE_PLUGINS left it out
+                    raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs the family package {package}, "
+                                      "which is installed but not loaded",
+                                      "check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS")
                 raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs the family package {package}, "
                                   "which is not installed", f"pip install {package}")
         raise FamilyError(f"{model_dir / 'config.json'}: {marker} is not claimed by any installed family",
