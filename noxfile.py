@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nox
@@ -107,6 +108,22 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *session.posargs, str(ROOT))
     with session.chdir(ROOT):     # mypy reads its settings (and the src/ paths) from the root pyproject.toml
         session.run("mypy", *source_packages())
+
+
+@nox.session
+def packaging(session: nox.Session) -> None:
+    """Every package built as a wheel and an sdist (python -m build) and checked by twine check --strict; the
+    wheels must carry their LICENSE and colibri-olmoe's must ship colibri-nano's weights once."""
+    session.install("build", "twine", "hatchling")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)   # an earlier run's files must not be checked again
+    for name in packages():
+        out = dist / name
+        # The backend is installed above: no isolated environment to download per package.
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT / name), silent=True)
+        built = sorted(str(p) for p in out.iterdir())
+        session.run("python", "-m", "twine", "check", "--strict", *built)
+        session.run("python", str(ROOT / "tests" / "wheel_contents.py"), *(p for p in built if p.endswith(".whl")))
 
 
 @nox.session

@@ -40,12 +40,14 @@ def argv(*args: str) -> list[str]:
 def environment(**extra: str) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLIBRI_LOAD_PLUGINS": "olmoe", "NO_COLOR": "1"}
     env.pop("COLI_DEBUG", None)
+    env.pop("COLIBRI_DEBUG", None)
     return {**env, **extra}
 
 
-def coli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv(*args), capture_output=True, text=True, timeout=TIMEOUT, env=environment(**env),
-                          check=False)
+def coli(*args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
+    """The installed ``coli`` with ``args``, ``stdin`` as its standard input (never the test runner's)."""
+    return subprocess.run(argv(*args), input=stdin, capture_output=True, text=True, timeout=TIMEOUT,
+                          env=environment(**env), check=False)
 
 
 def one_error_line(stderr: str, returncode: int) -> str:

@@ -138,3 +138,20 @@ def test_ctx_past_the_external_familys_limit_is_refused(installed, toy_model):
     assert done.returncode == 1
     assert done.stderr.strip() == ("error: --ctx 4096 exceeds the toy engine's limit of 256 tokens "
                                    "(pass --ctx 256 or less)")
+
+
+def test_a_bug_in_a_plugin_is_reported_as_that_plugins_error(installed, toy_model, tmp_path):
+    """The toy plugin reads config["hidden"] without checking it: its KeyError is colibri-toy's bug, named with
+    its version, not a colibri internal error."""
+    directory, _ = toy_model
+    broken = tmp_path / "no-hidden"
+    broken.mkdir()
+    for item in directory.iterdir():
+        (broken / item.name).symlink_to(item)
+    (broken / "config.json").unlink()
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in TOY.items() if k != "hidden"}))
+    done = coli("info", "--model", str(broken))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        "error: family plugin 'toy' (colibri-toy 0.1.0) failed: KeyError: 'hidden' (a bug in colibri-toy: rerun "
+        "with --debug for the traceback and report it to colibri-toy's authors)"]

@@ -117,6 +117,7 @@ def olmoe_copy(tiny_olmoe, tmp_path) -> Path:
 def no_installed_plugins(monkeypatch):
     monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
     monkeypatch.delenv("COLI_MODEL", raising=False)
+    monkeypatch.delenv("COLIBRI_MODEL", raising=False)
     plugins.reset()
     yield
     plugins.reset()

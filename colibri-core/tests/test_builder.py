@@ -236,3 +236,58 @@ def test_the_shipped_runtime_states_its_api():
     from colibri.builder import RUNTIME_DIR
 
     assert (RUNTIME_DIR / "api.h").is_file() and builder.runtime_api() >= 1
+
+
+def test_first_build_logs_start_elapsed_and_path_without_a_terminal(tree, capsys):
+    """CI, Docker and systemd have no terminal: the build still says what it does, how long it took, and where."""
+    binary = builder.build_family("buildfam")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert "building engine colibri-testfam" in lines[0] and str(tree["wrapper"]) in lines[0]
+    assert "gcc" in lines[0]                                       # the compiler's own --version line
+    assert lines[1].startswith("colibri: built engine colibri-testfam in ") and lines[1].endswith(f" s: {binary}")
+    builder.build_family("buildfam")
+    assert capsys.readouterr().err == ""                           # a cached engine is silent
+
+
+def test_a_slow_build_says_it_is_still_building(tree, capsys, monkeypatch):
+    slow = tree["tmp"] / "slow-cc"
+    slow.write_text('#!/bin/sh\n[ "$1" = --version ] && exec gcc --version\nsleep 0.5\nexec gcc "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setenv("COLIBRI_CC", str(slow))
+    monkeypatch.setattr(builder, "HEARTBEAT_SECONDS", 0.1)
+    builder.build_family("buildfam")
+    assert "colibri: still building engine colibri-testfam (" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("os_release, command", [
+    ('ID=debian\n', "apt-get install gcc libc6-dev"),
+    ('ID=ubuntu\nID_LIKE=debian\n', "apt-get install gcc libc6-dev"),
+    ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "dnf install gcc glibc-devel"),
+    ('ID=alpine\n', "apk add build-base"),
+])
+def test_missing_compiler_names_the_package_to_install(tree, monkeypatch, tmp_path, os_release, command):
+    release = tmp_path / "os-release"
+    release.write_text(os_release)
+    monkeypatch.setattr(compiler, "OS_RELEASE", str(release))
+    monkeypatch.delenv("COLIBRI_CC")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(BuildError) as info:
+        compiler.find_compiler()
+    assert info.value.hint == f"{command}, or set COLIBRI_CC to a C compiler"
+
+
+def test_missing_libc_headers_name_the_package_too(tree, monkeypatch, tmp_path):
+    release = tmp_path / "os-release"
+    release.write_text("ID=debian\n")
+    monkeypatch.setattr(compiler, "OS_RELEASE", str(release))
+    (tree["fam"] / "engine.c").write_text("#include <nosuch/stdio.h>\nint main(void) { return 0; }\n")
+    fake = tree["tmp"] / "no-headers-cc"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && exec gcc --version\n'
+                    'echo "engine.c:1:10: fatal error: stdio.h: No such file or directory" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("COLIBRI_CC", str(fake))
+    with pytest.raises(BuildError) as info:
+        builder.build_family("buildfam")
+    assert "stdio.h" in info.value.message and "apt-get install gcc libc6-dev" in info.value.hint

@@ -6,6 +6,8 @@ import io
 import json
 import math
 
+import pytest
+
 from colibri import __version__, hookimpl, plugins
 from colibri.cli import app
 from colibri.console import print_error
@@ -36,7 +38,7 @@ def test_version():
 def test_no_model_says_how_to_pass_one(olmoe_family):
     for command in ("info", "plan", "doctor"):
         line = one_error_line(runner.invoke(app, [command]))
-        assert "--model DIR" in line and "COLI_MODEL" in line
+        assert "--model DIR" in line and "COLIBRI_MODEL" in line
 
 
 def test_missing_directory_is_named(olmoe_family, tmp_path):
@@ -86,14 +88,32 @@ def test_a_family_bug_is_one_line_without_debug(olmoe_family, family_class, tiny
     plugins.reset()
     plugins.register(Buggy(), "buggy")
     line = one_error_line(runner.invoke(app, ["info", "--model", str(tiny_olmoe.path)]))
-    assert "internal error: RuntimeError: geometry exploded" in line and "--debug" in line
+    assert "family plugin 'buggy' ((registered in-process)) failed: RuntimeError: geometry exploded" in line
+    assert "--debug" in line and "internal error" not in line
 
 
-def test_coli_model_environment_variable(olmoe_family, tiny_olmoe, monkeypatch):
-    monkeypatch.setenv("COLI_MODEL", str(tiny_olmoe.path))
+def test_a_core_bug_is_an_internal_error(olmoe_family, tiny_olmoe, monkeypatch):
+    def broken(model):
+        raise RuntimeError("planner exploded")
+
+    monkeypatch.setattr("colibri.cli.inspect.load_facts", broken)
+    line = one_error_line(runner.invoke(app, ["info", "--model", str(tiny_olmoe.path)]))
+    assert "internal error: RuntimeError: planner exploded" in line and "--debug" in line
+
+
+@pytest.mark.parametrize("variable", ["COLIBRI_MODEL", "COLI_MODEL"])
+def test_model_environment_variable_and_its_old_alias(olmoe_family, tiny_olmoe, monkeypatch, variable):
+    monkeypatch.setenv(variable, str(tiny_olmoe.path))
     result = runner.invoke(app, ["info", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["model"] == str(tiny_olmoe.path)
+
+
+def test_the_new_name_wins_over_the_old_alias(olmoe_family, tiny_olmoe, monkeypatch, tmp_path):
+    monkeypatch.setenv("COLI_MODEL", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("COLIBRI_MODEL", str(tiny_olmoe.path))
+    result = runner.invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
 
 
 def test_model_option_beats_environment(olmoe_family, tiny_olmoe, monkeypatch, tmp_path):
@@ -141,7 +161,15 @@ def test_family_that_does_not_exist_or_does_not_claim(olmoe_family, tiny_olmoe, 
 
 def test_no_family_claims(no_installed_plugins, tiny_olmoe):
     line = one_error_line(runner.invoke(app, ["info", "--model", str(tiny_olmoe.path)]))
-    assert "'olmoe'" in line and "not claimed" in line and "installed families: none" in line
+    assert "model_type 'olmoe' needs the family package colibri-olmoe, which is installed but not loaded" in line
+    assert line.endswith("(check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS)")
+
+
+def test_an_unknown_model_type_lists_the_installed_families(olmoe_family, tiny_olmoe, tmp_path):
+    config = json.loads((tiny_olmoe.path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "nobody_runs_this"}))
+    line = one_error_line(runner.invoke(app, ["info", "--model", str(tmp_path)]))
+    assert "model_type 'nobody_runs_this' is not claimed" in line and "testolmoe" in line
 
 
 # ------------------------------------------------------------------------------------------------- families

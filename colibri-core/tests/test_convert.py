@@ -739,9 +739,9 @@ def test_quality_metrics_identical_and_perturbed():
 
     engine = _FakeEngine(ref)
     got = forced_logits(engine, ids, prefill=3)
-    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got, ref.astype(np.float32))     # engines compute and send float32 logits
     prompt, forced, wants_logits, max_tokens = engine.calls[0]
-    assert prompt == ids[:3] and forced == ids[3:] and wants_logits and max_tokens == 5
+    assert prompt == ids[:3] and forced == ids[3:] and wants_logits == "f32" and max_tokens == 5
     report = measure(_FakeEngine(ref), _FakeEngine(ref), [ids, ids])
     assert report.positions == 14 and report.mean_kl == pytest.approx(0.0, abs=1e-12)
 

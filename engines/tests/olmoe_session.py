@@ -8,12 +8,15 @@ is ``$COLIBRI_OLMOE_TINY`` when set, else a tiny random OLMoE built here with tr
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-olmoe" / "src"):
@@ -110,6 +113,18 @@ def main() -> int:
         s.send({"op": "submit", "id": 6, "slot": 1, "prompt": (prompt * 2)[:50], "max_tokens": 100})
         done = s.until("done", 6)[-1]
         check(done["reason"] == "length" and done["generated_tokens"] == 64 - 50 + 1, f"length at ctx: {done}")
+
+        # "logits": "f32": the same rows as base64 little-endian float32, bit for bit (every row length, including
+        # a vocab whose byte count is not a multiple of 3, exercises the encoder's padding under the sanitizers)
+        s.send({"op": "reset", "slot": 0})
+        s.send({"op": "submit", "id": 14, "slot": 0, "prompt": prompt, "max_tokens": 1, "logits": "f32"})
+        binary_rows = [e for e in s.until("done", 14) if e["ev"] == "logits"]
+        check([e["pos"] for e in binary_rows] == [e["pos"] for e in logits], "f32 rows at the same positions")
+        check(all(np.array_equal(np.frombuffer(base64.b64decode(b["f32"]), "<f4"), np.float32(t["values"]))
+                  for b, t in zip(binary_rows, logits)), "f32 logits equal the JSON numbers bit for bit")
+        s.send({"op": "submit", "id": 15, "slot": 0, "prompt": prompt[:3], "logits": "f64"})
+        e = s.event()
+        check(e["ev"] == "error" and e["code"] == "bad_request" and "f32" in e["message"], f"logits f64: {e}")
         s.send({"op": "stats"})
         stats = s.until("stats")[-1]
         check(all(m > 0 for m in stats["misses"]), f"misses in every layer at cap 1: {stats}")

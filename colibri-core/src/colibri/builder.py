@@ -17,11 +17,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from . import hooks, plugins
 from .cachedir import cache_root, file_lock
-from .compiler import CFLAGS, LDLIBS, Compiler, find_compiler
+from .compiler import CFLAGS, LDLIBS, Compiler, find_compiler, install_hint
 from .errors import BuildError, EngineError
 from .records import EngineSource, ResolvedModel
 
@@ -129,29 +130,57 @@ def _first_error_lines(stderr: str) -> str:
     return " | ".join(errors[:ERROR_LINES_SHOWN]) or "no output"
 
 
+MISSING_HEADER = re.compile(r"fatal error: (?:stdio|stdlib|string|math|pthread)\.h: No such file")
+HEARTBEAT_SECONDS = 10.0
+
+
+def _run_compiler(cmd: list[str], name: str, started: float) -> subprocess.CompletedProcess:
+    """The compiler run, with a "still building" line every few seconds when stderr is not a terminal (CI, Docker,
+    systemd: no spinner there, and a silent 30 s looks like a hang)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=HEARTBEAT_SECONDS)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            if not sys.stderr.isatty():
+                _log(f"still building engine {name} ({time.monotonic() - started:.0f} s)")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+
+
 def _compile(source: EngineSource, compiler: Compiler, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{source.name}-", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    started = time.monotonic()
     try:
         cmd = compile_command(source, compiler, tmp)
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True)
+            result = _run_compiler(cmd, source.name, started)
         except OSError as exc:
-            raise BuildError(f"cannot run {compiler.argv[0]} ({exc.strerror})",
-                             "install a C compiler (apt-get install gcc) or set COLIBRI_CC to one") from None
+            raise BuildError(f"cannot run {compiler.argv[0]} ({exc.strerror})", install_hint()) from None
         if result.returncode != 0:
-            raise BuildError(f"building {source.name} failed: {_first_error_lines(result.stderr)}",
-                             f"compiler: {' '.join(compiler.argv)} ({compiler.origin})")
+            hint = f"compiler: {' '.join(compiler.argv)} ({compiler.origin})"
+            if MISSING_HEADER.search(result.stderr):
+                hint = f"the C library's headers are missing: {install_hint()}"
+            raise BuildError(f"building {source.name} failed: {_first_error_lines(result.stderr)}", hint)
         os.chmod(tmp, 0o755)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def _log(line: str) -> None:
+    sys.stderr.write(f"colibri: {line}\n")
+    sys.stderr.flush()
+
+
 def _spinner(message: str):
-    """A rich spinner on a terminal; nothing otherwise (logs and pipes stay clean)."""
+    """A rich spinner on a terminal; nothing otherwise (the start and end lines are logged either way)."""
     from contextlib import nullcontext
 
     if not sys.stderr.isatty():
@@ -176,8 +205,12 @@ def build(source: EngineSource, force: bool = False) -> Path:
         # build that was killed.
         for stale in final.parent.glob(f".{source.name}-*.tmp") if final.parent.is_dir() else ():
             stale.unlink(missing_ok=True)
-        with _spinner(f"building engine {source.name} (first use, cached afterwards)"):
+        version = (compiler.version.splitlines() or [""])[0]
+        _log(f"building engine {source.name} with {' '.join(compiler.argv)} ({version}); first use, cached after")
+        started = time.monotonic()
+        with _spinner(f"building engine {source.name}"):
             _compile(source, compiler, final)
+        _log(f"built engine {source.name} in {time.monotonic() - started:.1f} s: {final}")
     return final
 
 

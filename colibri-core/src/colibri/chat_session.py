@@ -41,6 +41,7 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     turns: list[TurnStats] = field(default_factory=list)
     dropped_messages: int = 0
+    max_ctx: int | None = None          # the most the model's context holds, for hints
 
     def __post_init__(self) -> None:
         self.reset_history()
@@ -80,8 +81,12 @@ class ChatSession:
             self.dropped_messages += drop
             ids = self._encode(messages)
         if len(ids) + 1 > self.ctx:
+            larger = self.max_ctx is None or self.ctx < self.max_ctx
             raise UsageError(f"the message is {len(ids)} tokens with the template; --ctx {self.ctx} cannot hold it",
-                             "send a shorter message or restart with a larger --ctx")
+                             "send a shorter message" + (f" or restart with a larger --ctx (at most {self.max_ctx})"
+                                                         if larger and self.max_ctx else
+                                                         " or restart with a larger --ctx" if larger else
+                                                         f" ({self.ctx} is the model's maximum context)"))
         return ids
 
     def turn(self, text: str, write: Callable[[str], None]) -> Reply:

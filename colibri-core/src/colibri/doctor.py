@@ -18,6 +18,7 @@ from .checkpoint import ShardHeader, TensorInfo, read_header, read_index
 from .errors import ColibriError
 from .inventory import geometry_of, logical_tensors, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
+from .prompt import NO_TEMPLATE_NOTICE
 from .records import ResolvedModel, ShardSet
 from .validation import (  # noqa: F401  (Check and the deep checks are doctor's public names too)
     FAIL, PASS, WARN, Check, check_chat_template_renders, check_counts, check_dtypes, check_offsets, check_overlaps,
@@ -95,9 +96,27 @@ def check_tokenizer(model_dir: Path, needs_tokenizer: bool) -> Check:
                  detail + ("; copy the checkpoint's tokenizer files into the directory" if needs_tokenizer else ""))
 
 
-def check_chat_template(model_dir: Path, is_language_model: bool) -> Check:
+def check_loaded_tokenizer(model: ResolvedModel) -> tuple[Check, Any]:
+    """The tokenizer exactly as run/chat/serve load it (the family's ``load_tokenizer``): doctor passes what they
+    can load and fails, with their error, what they cannot. Returns the check and the tokenizer (None if failed)."""
+    tok, failed = _guarded("tokenizer", lambda: hooks.load_tokenizer(model))
+    if failed:
+        return failed, None
+    source = getattr(tok, "source", None)
+    size = getattr(tok, "vocab_size", None)
+    detail = ", ".join(str(part) for part in (source.name if source else "loaded by the family",
+                                              f"{size} tokens" if size else None) if part)
+    return Check("tokenizer", PASS, detail), tok
+
+
+def check_chat_template(model_dir: Path, is_language_model: bool, tok: Any = None) -> Check:
+    """With the loaded tokenizer, its templates (a family may bring its own); without one, the template files."""
     if not is_language_model:
         return Check("chat template", PASS, "not needed (not a language model)")
+    if tok is not None and hasattr(tok, "templates"):
+        if tok.has_chat_template:
+            return Check("chat template", PASS, ", ".join(t.origin for t in tok.templates.values()))
+        return Check("chat template", WARN, f"{model_dir}: {NO_TEMPLATE_NOTICE}")
     for name in ("chat_template.jinja", "chat_template.json"):
         if (model_dir / name).is_file():
             return Check("chat template", PASS, name)
@@ -109,8 +128,7 @@ def check_chat_template(model_dir: Path, is_language_model: bool) -> Check:
             return Check("chat template", FAIL, f"{tok_config}: not valid JSON ({exc})")
         if isinstance(data, dict) and data.get("chat_template"):
             return Check("chat template", PASS, "tokenizer_config.json chat_template")
-    return Check("chat template", WARN, f"{model_dir}: no chat template (tokenizer_config.json chat_template or "
-                                        "chat_template.jinja); coli chat needs one, plain completion does not")
+    return Check("chat template", WARN, f"{model_dir}: {NO_TEMPLATE_NOTICE}")
 
 
 @dataclass
@@ -204,7 +222,8 @@ def check_container(model_dir: Path, model: ResolvedModel) -> tuple[Check, Any]:
               f"({', '.join(schemes) or 'no quantized tensors'})")
     if missing:
         return Check("container", FAIL, f"{detail}; the {model.family} engine does not run {', '.join(missing)} "
-                                        f"(it runs {', '.join(supported) or 'no quantized weights'})"), container
+                                        f"(it runs {', '.join(supported) or 'no quantized weights'})",
+                     fix="run the source checkpoint, or reconvert with schemes the family supports"), container
     return Check("container", PASS, detail), container
 
 
@@ -213,7 +232,7 @@ def _guarded(name: str, fn: Callable[[], Any]) -> tuple[Any, Check | None]:
     try:
         return fn(), None
     except ColibriError as exc:
-        return None, Check(name, FAIL, exc.one_line())
+        return None, Check(name, FAIL, exc.one_line(), (exc.message,), exc.hint or "")
 
 
 def diagnose(model_option: str | Path | None, family: str | None = None, deep: bool = False) -> list[Check]:
@@ -229,7 +248,8 @@ def diagnose(model_option: str | Path | None, family: str | None = None, deep: b
         checks.append(Check("config", PASS if marker else WARN,
                             f"no config.json; {marker} present" if marker else f"{model_dir}: no config.json"))
     else:
-        checks.append(Check("config", PASS, f"config.json, model_type {config.get('model_type')!r}"))
+        declared = f"model_type {config['model_type']!r}" if "model_type" in config else "no model_type field"
+        checks.append(Check("config", PASS, f"config.json, {declared}"))
 
     model, failed = _guarded("family", lambda: resolve_model(model_dir, family))
     if failed:
@@ -247,9 +267,14 @@ def model_checks(model: ResolvedModel, deep: bool = False) -> list[Check]:
         return [failed]
 
     is_lm = geometry.vocab_size > 0
-    tokenizer = check_tokenizer(model_dir, needs_tokenizer=is_lm)
+    tok = None
+    limits, _ = _guarded("limits", lambda: hooks.limits(model))
+    if is_lm and limits is not None and limits.has_engine:   # what run/chat/serve would load, loaded the same way
+        tokenizer, tok = check_loaded_tokenizer(model)
+    else:   # a model the engine commands do not run (a pipeline, an extractor): its tokenizer files are there
+        tokenizer = check_tokenizer(model_dir, needs_tokenizer=is_lm)
     checks.append(tokenizer)
-    checks.append(check_chat_template(model_dir, is_lm))
+    checks.append(check_chat_template(model_dir, is_lm, tok))
 
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
     scan = ShardScan()
@@ -303,8 +328,10 @@ class DoctorFailed(ColibriError):
     def __init__(self, failed_checks: list[Check], deep: bool):
         first = failed_checks[0]
         problem = first.problems[0] if first.problems else first.detail
-        hint = "fix or re-download the files named above"
-        if not deep:
-            hint += "; coli doctor --deep also checks every tensor"
+        hint = first.fix
+        if not hint:   # a file-level problem: the tensor or shard named above
+            hint = "fix or re-download the files named above"
+            if not deep:
+                hint += "; coli doctor --deep also checks every tensor"
         super().__init__(f"{len(failed_checks)} check(s) failed; {first.name}: {problem}", hint)
         self.checks = failed_checks

@@ -145,6 +145,18 @@ def check_limits(model: ResolvedModel, limits: Limits | None, ctx: int, slots: i
                          f"pass --slots {min(max(slots, 1), limits.max_kv_slots)}")
 
 
+def check_cap_and_threads(facts: ModelFacts, cap: int | None, threads: int | None) -> None:
+    """``--cap`` within the model's experts per MoE layer, ``--threads`` at least one (None: the defaults)."""
+    experts = facts.geometry.num_experts
+    if cap is not None and (cap < 0 or (experts and cap > experts)):
+        span = f"1 to {experts}" if experts else "a positive number"
+        raise UsageError(f"--cap {cap}: out of range; {facts.model.path.name} has {experts or 'no'} experts per "
+                         "MoE layer", f"pass --cap {span} (slots per layer), or leave it out to size it from --ram")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads}: must be at least 1",
+                         f"pass --threads 1 to {os.cpu_count() or 1}, or leave it out for {default_threads()}")
+
+
 def check_container(facts: ModelFacts) -> None:
     """A colibri-quant container runs only on an engine whose limits list every quantized scheme it stores."""
     stored = facts.quant_schemes
@@ -178,10 +190,16 @@ def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool) -> int | Non
     return chunk if chunk > 32 else None
 
 
+def max_ctx(facts: ModelFacts) -> int | None:
+    """The longest context the model and its engine both support, None when neither states one."""
+    bounds = [v for v in (facts.geometry.max_context, facts.limits.max_context if facts.limits else 0) if v]
+    return min(bounds) if bounds else None
+
+
 def default_ctx(facts: ModelFacts) -> int:
     """4096, or less when the model or its engine supports less (as ``coli plan`` chooses)."""
-    bounds = [v for v in (facts.geometry.max_context, facts.limits.max_context if facts.limits else 0) if v]
-    return min(DEFAULT_CTX, *bounds)
+    bound = max_ctx(facts)
+    return DEFAULT_CTX if bound is None else min(DEFAULT_CTX, bound)
 
 
 def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
@@ -210,14 +228,13 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     ctx = default_ctx(facts) if ctx is None else int(ctx)
     check_limits(model, facts.limits, ctx, slots, facts.geometry.max_context)
     check_container(facts)
-    if cap is not None and cap < 0:
-        raise UsageError(f"--cap {cap}: must be 0 (all experts) or a positive number of slots per layer")
+    check_cap_and_threads(facts, cap, threads)
     plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
     binary = builder.engine_for_model(model)
     if binary is None:
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")
     env: EngineEnv = hooks.build_env(model, plan)
-    threads = int(threads) if threads else default_threads()
+    threads = default_threads() if threads is None else int(threads)
     streaming = streaming or Streaming()
     streaming.check()
     if streaming.lossy_label():

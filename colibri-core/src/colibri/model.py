@@ -8,18 +8,18 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from . import hooks, plugins
+from . import envvars, hooks, plugins
 from .configs import check_config
 from .errors import ConfigError, FamilyError, ModelNotFoundError, UsageError
 from .records import Claim, ResolvedModel
 
-MODEL_ENV = "COLI_MODEL"
+MODEL_ENV = envvars.MODEL
 MAX_CONFIG_BYTES = 64 * 1024 * 1024     # real config.json files are a few KiB; refuse before reading a huge one
 
 
 def model_dir_from(option: str | os.PathLike | None) -> Path:
-    """The model directory from ``--model`` or ``COLI_MODEL``; never an invented default."""
-    value = option if option not in (None, "") else os.environ.get(MODEL_ENV)
+    """The model directory from ``--model`` or ``COLIBRI_MODEL`` (alias ``COLI_MODEL``); never an invented default."""
+    value = option if option not in (None, "") else envvars.getenv(MODEL_ENV)
     if not value:
         raise UsageError("no model given", f"pass --model DIR or set {MODEL_ENV}=DIR to a checkpoint directory")
     path = Path(value).expanduser()
@@ -62,6 +62,24 @@ def _installed_family_names() -> str:
     return ", ".join(names) if names else "none"
 
 
+def package_for_model_type(model_type: Any) -> str | None:
+    """The package that runs ``model_type``, from the help-text table family_packages.json (never a branch)."""
+    from importlib.resources import files
+
+    table = json.loads(files(__package__).joinpath("family_packages.json").read_text(encoding="utf-8"))
+    return table["packages"].get(model_type) if isinstance(model_type, str) else None
+
+
+def _is_installed(package: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def collect_claims(model_dir: Path, config: Mapping[str, Any] | None) -> list[Claim]:
     return hooks.claims(model_dir, config)
 
@@ -86,8 +104,26 @@ def resolve_model(option: str | os.PathLike | None, family: str | None = None) -
             if not any(model_dir.glob("*.safetensors")) and not (model_dir / "model_index.json").exists():
                 raise ModelNotFoundError(f"{model_dir}: no config.json and no weights",
                                          "point --model at a Hugging Face checkpoint directory")
+        elif "model_type" not in config:
+            raise FamilyError(f"{model_dir / 'config.json'}: no model_type field, and no installed family "
+                              "recognises the config without one",
+                              "restore config.json from the original checkpoint (its model_type names the "
+                              f"architecture); installed families: {_installed_family_names()}")
         else:
             marker = f"model_type {config.get('model_type')!r}"
+            package = package_for_model_type(config.get("model_type"))
+            entries = [f for f in plugins.families().values() if f.package == package]
+            broken = [f for f in entries if f.error]
+            if broken:
+                raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs {package}, whose plugin failed to "
+                                  f"load ({broken[0].error})", f"reinstall {package}; coli families shows the error")
+            if package is not None and not entries:
+                if _is_installed(package):   # present, but COLIBRI_LOAD_PLUGINS / COLIBRI_DISABLE_PLUGINS left it out
+                    raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs the family package {package}, "
+                                      "which is installed but not loaded",
+                                      "check COLIBRI_LOAD_PLUGINS and COLIBRI_DISABLE_PLUGINS")
+                raise FamilyError(f"{model_dir / 'config.json'}: {marker} needs the family package {package}, "
+                                  "which is not installed", f"pip install {package}")
         raise FamilyError(f"{model_dir / 'config.json'}: {marker} is not claimed by any installed family",
                           f"installed families: {_installed_family_names()}; install the family package for it")
     if len(claims) > 1:

@@ -109,3 +109,34 @@ def family_hook(family: str, name: str) -> Any:
     pm = manager()
     others = [p for n, p in pm.list_name_plugin() if n not in (family, "colibri.defaults") and p is not None]
     return pm.subset_hook_caller(name, remove_plugins=others)
+
+
+def _code_of(plugin: Any) -> tuple[str, bool]:
+    """Where a plugin's code lives: (name, is_package). An entry-point module's top-level package (its helpers are
+    its code too); for an object registered in-process, the module that defines its class, exactly."""
+    if isinstance(plugin, type(os)):
+        return plugin.__name__.split(".")[0], True
+    return type(plugin).__module__, False
+
+
+def culprit(exc: BaseException) -> LoadedFamily | None:
+    """The family plugin whose code the exception went through (innermost first), or None when only core's did.
+
+    A bug inside a family hook is that plugin's to fix: the CLI names its package and version instead of calling
+    it a colibri internal error."""
+    packages, modules = {}, {}
+    for fam in _families.values():
+        if fam.plugin is None:
+            continue
+        name, is_package = _code_of(fam.plugin)
+        if name != __name__.split(".")[0]:
+            (packages if is_package else modules)[name] = fam
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    for module in reversed(frames):
+        owner = modules.get(module) or packages.get(module.split(".")[0])
+        if owner is not None:
+            return owner
+    return None

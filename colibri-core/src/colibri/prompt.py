@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -12,7 +13,12 @@ from .chat_template import read_json_file
 from .errors import UsageError
 from .tokenizer import TextTokenizer
 
-NO_TEMPLATE_NOTICE = "the checkpoint has no chat template: sending the prompt as plain text"
+MAX_TEMPERATURE = 2.0          # as the OpenAI API (and coli serve) accept
+# What every command says about a checkpoint without a chat template (doctor, run, chat, serve say the same).
+NO_TEMPLATE_NOTICE = ("no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json "
+                      "chat_template): coli run and coli chat send plain text, coli serve refuses chat requests "
+                      "(use /v1/completions); add the model's chat_template.jinja to chat")
+NO_TEMPLATE_FIX = "use /v1/completions with a plain prompt, or add the model's chat_template.jinja and restart"
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,9 @@ class Prompt:
 
 
 def read_prompt_file(path: Path) -> str:
+    """The prompt in ``path`` (``-``: standard input) as UTF-8 text."""
     try:
-        data = Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
     except OSError as exc:
         raise UsageError(f"--prompt-file {path}: cannot read ({exc.strerror})", "check the path") from None
     try:
@@ -95,8 +102,8 @@ def choose_sampling(model_dir: Path, temperature: float | None, top_p: float | N
     temp = float(base.get("temperature", 1.0) if temperature is None else temperature)
     p = float(base.get("top_p", 1.0) if top_p is None else top_p)
     k = int(base.get("top_k", 0) if top_k is None else top_k)
-    if temp < 0:
-        raise UsageError(f"--temp {temp:g}: must be 0 (greedy) or more")
+    if not 0 <= temp <= MAX_TEMPERATURE:
+        raise UsageError(f"--temp {temp:g}: out of range", f"pass --temp 0 (greedy) to {MAX_TEMPERATURE:g}")
     if not 0 < p <= 1:
         raise UsageError(f"--top-p {p:g}: must be in (0, 1]")
     if k < 0:
@@ -104,14 +111,23 @@ def choose_sampling(model_dir: Path, temperature: float | None, top_p: float | N
     return Sampling(temp, p, k, secrets.randbelow(2 ** 31) if seed is None else int(seed))
 
 
-def clamp_max_tokens(max_tokens: int, prompt_len: int, ctx: int) -> tuple[int, str]:
-    """Generation budget within the context; an over-large request is clamped (with a notice), never refused."""
+def clamp_max_tokens(max_tokens: int, prompt_len: int, ctx: int, max_ctx: int | None = None) -> tuple[int, str]:
+    """Generation budget within the context; an over-large request is clamped (with a notice), never refused.
+
+    A prompt that leaves no room is refused with a ``--ctx`` that would hold it, never one above ``max_ctx`` (the
+    most the model and its engine support)."""
     if max_tokens < 1:
         raise UsageError(f"--max-tokens {max_tokens}: must be at least 1")
     room = ctx - prompt_len
     if room < 1:
-        raise UsageError(f"the prompt is {prompt_len} tokens and --ctx {ctx} leaves no room to generate",
-                         f"pass --ctx {prompt_len + max_tokens} or a shorter prompt")
+        wanted = prompt_len + max_tokens
+        if max_ctx is not None and prompt_len >= max_ctx:
+            hint = f"shorten the prompt below {max_ctx} tokens, the most this model's context holds"
+        elif max_ctx is not None and wanted > max_ctx:
+            hint = f"pass --ctx {max_ctx} (the model's maximum) or a shorter prompt"
+        else:
+            hint = f"pass --ctx {wanted} or a shorter prompt"
+        raise UsageError(f"the prompt is {prompt_len} tokens and --ctx {ctx} leaves no room to generate", hint)
     if max_tokens > room:
         return room, (f"--max-tokens {max_tokens} clamped to {room}: "
                       f"the prompt uses {prompt_len} of {ctx} context tokens")

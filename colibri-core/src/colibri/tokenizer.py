@@ -80,13 +80,27 @@ class TextTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 
 
+def convert_hint(model_dir: Path) -> str:
+    """How to write the tokenizer.json colibri reads, once, from the files transformers' slow tokenizers read."""
+    return (f"write tokenizer.json once with transformers: python -c \"from transformers import AutoTokenizer; "
+            f"AutoTokenizer.from_pretrained('{model_dir}').save_pretrained('{model_dir}')\"")
+
+
 def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None) -> TextTokenizer:
-    """The tokenizer of a plain Hugging Face checkpoint directory."""
+    """The tokenizer of a plain Hugging Face checkpoint directory: ``tokenizer.json``, else a GPT-2-style
+    ``vocab.json`` + ``merges.txt`` converted as transformers converts them. A sentencepiece ``tokenizer.model``
+    alone is refused with the command that writes its tokenizer.json (converting it needs sentencepiece and
+    protobuf, which colibri does not depend on)."""
     from tokenizers import Tokenizer
 
     path = model_dir / TOKENIZER_FILE
     if not path.is_file():
-        raise ConfigError(f"{path}: no tokenizer.json in the checkpoint",
+        if all((model_dir / name).is_file() for name in BPE_FILES):
+            return tokenizer_from_backend(byte_level_bpe(model_dir), model_dir, config, model_dir / BPE_FILES[0])
+        if (model_dir / SENTENCEPIECE_FILE).is_file():
+            raise ConfigError(f"{model_dir / SENTENCEPIECE_FILE}: a sentencepiece model and no tokenizer.json",
+                              convert_hint(model_dir))
+        raise ConfigError(f"{path}: no tokenizer.json in the checkpoint (nor vocab.json + merges.txt)",
                           "copy tokenizer.json from the original model repository into the directory")
     try:
         backend = Tokenizer.from_file(str(path))
@@ -94,6 +108,49 @@ def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None)
         raise ConfigError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0] if str(exc) else exc})",
                           "restore tokenizer.json from the original checkpoint") from None
     return tokenizer_from_backend(backend, model_dir, config, path)
+
+
+BPE_FILES = ("vocab.json", "merges.txt")
+SENTENCEPIECE_FILE = "tokenizer.model"
+# The slow tokenizer classes whose vocab.json + merges.txt mean GPT-2's byte-level BPE with GPT-2's own split rule.
+# Others that ship the same two files split differently (a pre-tokenizer regex of their own), so they are refused
+# rather than tokenized almost right.
+GPT2_STYLE_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+
+
+def byte_level_bpe(model_dir: Path) -> Any:
+    """vocab.json + merges.txt as transformers' GPT-2 converter builds them: byte-level BPE, the byte-level
+    pre-tokenizer (``add_prefix_space`` from tokenizer_config.json), decoder and post-processor, and the added
+    tokens of ``added_tokens_decoder`` plus the named special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tok_config = ct.read_json_file(model_dir / ct.TOKENIZER_CONFIG) or {}
+    cls = tok_config.get("tokenizer_class")
+    if cls is not None and cls not in GPT2_STYLE_CLASSES:
+        raise ConfigError(f"{model_dir}: vocab.json + merges.txt of a {cls} and no tokenizer.json (colibri converts "
+                          f"only {' and '.join(GPT2_STYLE_CLASSES)} files itself)", convert_hint(model_dir))
+    vocab, merges = (str(model_dir / name) for name in BPE_FILES)
+    try:
+        model = models.BPE.from_file(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                     fuse_unk=False)
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ConfigError(f"{model_dir}: vocab.json + merges.txt do not load ({str(exc).splitlines()[0]})",
+                          "restore them from the original checkpoint") from None
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(tok_config.get("add_prefix_space")))
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    added = tok_config.get("added_tokens_decoder") or {}
+    for _, spec in sorted(added.items(), key=lambda item: int(item[0])):
+        if isinstance(spec, Mapping) and isinstance(spec.get("content"), str):
+            token = AddedToken(spec["content"], single_word=bool(spec.get("single_word")),
+                               lstrip=bool(spec.get("lstrip")), rstrip=bool(spec.get("rstrip")),
+                               normalized=bool(spec.get("normalized", not spec.get("special"))),
+                               special=bool(spec.get("special")))
+            (backend.add_special_tokens if spec.get("special") else backend.add_tokens)([token])
+    named = [_token_text(tok_config.get(name)) for name in ct.SPECIAL_TOKEN_NAMES]
+    backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in named if text])
+    return backend
 
 
 def tokenizer_from_backend(backend: Any, model_dir: Path, config: Mapping[str, Any] | None = None,

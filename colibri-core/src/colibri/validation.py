@@ -40,9 +40,11 @@ class Check:
     status: str
     detail: str
     problems: tuple[str, ...] = ()
+    fix: str = ""            # what to do, when the failure says it (else the closing hint is about the files)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems)}
+        return {"name": self.name, "status": self.status, "detail": self.detail, "problems": list(self.problems),
+                "fix": self.fix}
 
 
 def summarise(name: str, problems: list[str], ok_detail: str) -> Check:

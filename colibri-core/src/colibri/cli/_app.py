@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
-from .. import __version__
+from .. import __version__, envvars, plugins
 from ..console import print_error
 from ..errors import ColibriError
 
-DEBUG_ENV = "COLI_DEBUG"
+DEBUG_ENV = envvars.DEBUG
 
 
 class ColiGroup(TyperGroup):
     """Turns a :class:`ColibriError` from any command into ``error: <message> (<hint>)`` and exit code 1.
 
     Doing it here (not in ``main``) makes typer's test runner and the installed ``coli`` script behave the same.
-    ``--debug`` (or ``COLI_DEBUG=1``) prints the traceback as well.
+    ``--debug`` (or ``COLIBRI_DEBUG=1``, alias ``COLI_DEBUG``) prints the traceback as well.
     """
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
@@ -34,13 +33,24 @@ class ColiGroup(TyperGroup):
             print_error(f"{exc.format_message()} (see {info_name or 'coli'} --help)")
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
 
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _hide_flag_types(command.get_params(ctx))
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _hide_flag_types(self.get_params(ctx))
+        super().format_help(ctx, formatter)
+
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort):
             raise
         except typer.TyperException as exc:  # typer's own usage errors (bad flag value, unknown option)
-            if not hasattr(exc, "format_message"):
+            # A message-less one is a group called without its subcommand (coli bench): click shows the help.
+            if not hasattr(exc, "format_message") or not exc.format_message():
                 raise
             where = getattr(getattr(exc, "ctx", None), "command_path", None) or "coli"
             print_error(f"{exc.format_message()} (see {where} --help)")
@@ -54,13 +64,32 @@ class ColiGroup(TyperGroup):
             if _debug(ctx):
                 traceback.print_exc()
             first = (str(exc).splitlines() or [""])[0]
-            print_error(f"internal error: {type(exc).__name__}: {first} "
-                        "(rerun with --debug for the traceback and report it)")
+            owner = plugins.culprit(exc)
+            if owner is not None:
+                where = " ".join(part for part in (owner.package, owner.version) if part)
+                print_error(f"family plugin {owner.entry_point!r} ({where}) failed: "
+                            f"{type(exc).__name__}: {first} (a bug in {owner.package}: rerun with --debug for the "
+                            f"traceback and report it to {owner.package}'s authors)")
+            else:
+                print_error(f"internal error: {type(exc).__name__}: {first} "
+                            "(rerun with --debug for the traceback and report it)")
             raise typer.Exit(1) from None
 
 
+def _hide_flag_types(params: list[Any]) -> None:
+    """Typer's help gives every option a type column; for a flag (``--json``, ``--prefetch/--no-prefetch``) that
+    reads ``<bool>``, as if it took a value. An instance attribute shadows the method for flags only."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.display_type_rich = _no_type
+
+
+def _no_type(ctx: Any = None) -> None:
+    return None
+
+
 def _debug(ctx: Any) -> bool:
-    return bool(ctx.params.get("debug")) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return bool(ctx.params.get("debug")) or (envvars.getenv(DEBUG_ENV) or "0") not in ("", "0")
 
 
 app = typer.Typer(
@@ -68,7 +97,7 @@ app = typer.Typer(
     name="coli",
     help="colibri: run Mixture-of-Experts models larger than RAM by streaming routed experts from disk.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,     # coli --install-completion / --show-completion [bash|zsh|fish|powershell]
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )

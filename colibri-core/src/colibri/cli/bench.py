@@ -24,7 +24,8 @@ def quality_command(
     model: Optional[str] = ModelOption,
     reference: str = typer.Option(..., "--reference", "-r", metavar="DIR",
                                   help="The checkpoint the model was converted from (same tokenizer)."),
-    positions: int = typer.Option(512, "--positions", "-n", help="Next-token predictions compared (>= 1)."),
+    positions: Optional[int] = typer.Option(None, "--positions", "-n", help="Next-token predictions compared "
+                                            "(>= 1; default 512, or fewer when the models' context is shorter)."),
     text_file: Optional[Path] = typer.Option(None, "--text-file", metavar="FILE",
                                              help="UTF-8 text to teacher-force (default: a fixed passage shipped "
                                                   "with colibri, so runs are comparable)."),
@@ -54,7 +55,7 @@ def quality_command(
         raise UsageError(f"--reference {ref.path} is a {ref.family} model, --model {candidate.path} is "
                          f"{candidate.family}", "compare a container with the checkpoint it was converted from")
     options = {"ram_gib": ram, "threads": threads}
-    report = run_quality(candidate, ref, [text], positions=positions,
+    report = run_quality(candidate, ref, [text], positions="fit" if positions is None else positions,
                          **{k: v for k, v in options.items() if v is not None})
     data = {"model": str(candidate.path), "reference": str(ref.path), "positions": report.positions,
             "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl, "max_kl": report.max_kl,

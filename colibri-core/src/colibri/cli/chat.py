@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Optional
 
@@ -16,8 +17,11 @@ from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOpti
                       streaming_options)
 
 DEFAULT_MAX_TOKENS = 1024
-HELP_TEXT = ('commands: /reset (new conversation), /stats (token reuse and speed), /exit; '
-             'end a line with \\ to continue it, or wrap several lines in """; Ctrl-C stops a reply')
+COMMANDS = "/reset (new conversation), /stats (token reuse and speed), /help, /exit"
+HELP_TEXT = (f'commands: {COMMANDS}; end a line with \\ to continue it, or wrap several lines in """; '
+             'start a message with // to send it with one leading /; Ctrl-C stops a reply')
+# A line is a command when its first word is a slash and letters ("/stats", "/sttas"); "/usr/bin ..." is a message.
+COMMAND_WORD = re.compile(r"/[A-Za-z?]+")
 
 
 def _write(text: str) -> None:
@@ -106,7 +110,8 @@ def chat_command(
     source = LineSource(interactive, cache_root() / "chat_history" if interactive else None)
 
     with launch.start(spec) as engine:
-        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs)
+        session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs,
+                              max_ctx=launch.max_ctx(spec.facts))
         if session.notice:
             print_warning(session.notice)
         if interactive:
@@ -137,6 +142,12 @@ def chat_command(
                 if command in ("/help", "/?"):
                     _write(HELP_TEXT + "\n")
                     continue
+                if COMMAND_WORD.fullmatch(command.split()[0]):
+                    print_error(f"unknown command {command.split()[0]} (commands: {COMMANDS}; "
+                                "start with // to send a message that begins with /)")
+                    continue
+                if command.startswith("//"):
+                    text = text.lstrip()[1:]
                 try:
                     reply = session.turn(text, _write)
                 except ColibriError as exc:

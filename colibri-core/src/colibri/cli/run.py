@@ -19,14 +19,45 @@ from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, Exp
 DEFAULT_MAX_TOKENS = 256
 
 
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+class _Output:
+    """stdout as the reply streams, remembering whether the last byte was a newline so the output always ends
+    with one (as a shell expects), whatever the model's last token was."""
+
+    def __init__(self) -> None:
+        self.at_line_start = True
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.at_line_start = text.endswith("\n")
+
+    def end_line(self) -> None:
+        if not self.at_line_start:
+            self.write("\n")
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """PROMPT, else --prompt-file (``-``: stdin), else stdin when it is not a terminal (``echo hi | coli run``)."""
+    from ..prompt import read_prompt_file
+
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("both a PROMPT and --prompt-file given", "pass one of them")
+    if prompt is None and prompt_file is None and not sys.stdin.isatty():
+        prompt_file = Path("-")
+    if prompt_file is not None:
+        prompt = read_prompt_file(prompt_file)
+        if not prompt.strip() and str(prompt_file) == "-":
+            prompt = None
+    if prompt is None:
+        raise UsageError("no prompt given", 'pass a PROMPT, e.g. coli run "Hello" --model DIR, --prompt-file FILE, '
+                                            "or pipe it on stdin")
+    return prompt
 
 
 @app.command("run")
 def run_command(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file)."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file, or pipe it on stdin)."),
     model: Optional[str] = ModelOption,
     family: Optional[str] = FamilyOption,
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n",
@@ -53,22 +84,16 @@ def run_command(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
                                          "that has the switch (Qwen3); default: the template's own."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", metavar="FILE", help="Read the prompt from "
-                                               "a UTF-8 file."),
+                                               "a UTF-8 file (- for stdin)."),
     as_json: bool = JsonOption,
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
     from .. import launch
     from .. import hooks
-    from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, read_prompt_file, thinking_kwargs
+    from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
     from ..streaming import stats_line, stream_reply
 
-    if prompt is not None and prompt_file is not None:
-        raise UsageError("both a PROMPT and --prompt-file given", "pass one of them")
-    if prompt_file is not None:
-        prompt = read_prompt_file(prompt_file)
-    if prompt is None:
-        raise UsageError("no prompt given", 'pass a PROMPT, e.g. coli run "Hello" --model DIR, or --prompt-file FILE')
-
+    prompt = _read_prompt(prompt, prompt_file)
     resolved = resolve_model(model, family)
     tok = hooks.load_tokenizer(resolved)
     if think is not None and chat is False:
@@ -81,12 +106,13 @@ def run_command(
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
                                                       preload))
     asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx)
+    budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx, launch.max_ctx(spec.facts))
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context
         print_warning(clamp_notice)
 
+    out = _Output()
     with launch.start(spec) as engine:
-        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else _write,
+        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else out.write,
                              max_tokens=budget, stop=tok.stop_ids, **sampling.as_request())
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}
     if as_json:
@@ -96,8 +122,7 @@ def run_command(
                    "ram_bytes": spec.plan.ram_bytes, "reused_tokens": reply.accept.get("reused_tokens", 0),
                    "stats": stats})
     else:
-        if reply.text and not reply.text.endswith("\n"):
-            _write("\n")
+        out.end_line()
         sys.stderr.write(stats_line(reply.stats, reply.accept) + "\n")
         sys.stderr.flush()
     if reply.interrupted:

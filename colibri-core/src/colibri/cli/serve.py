@@ -14,6 +14,7 @@ import time
 
 import typer
 
+from .. import envvars
 from ..errors import EngineError, UsageError
 from ..server.config import (
     API_KEY_ENV,
@@ -93,7 +94,7 @@ def serve_command(
                                   "beyond that the server answers 429 with Retry-After."),
     queue_timeout: float = typer.Option(DEFAULT_QUEUE_TIMEOUT_S, "--queue-timeout", help="Seconds a request may "
                                         "wait for a slot before it gets 429."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+    api_key: str | None = typer.Option(None, "--api-key", envvar=envvars.names(API_KEY_ENV), show_envvar=True,
                                           help="Require this key on every route but /health (Bearer, or "
                                                "x-api-key on /v1/messages)."),
     ctx: int | None = typer.Option(None, "--ctx", help="Context per slot in tokens (prompt + completion); "
@@ -134,7 +135,8 @@ def serve_command(
     from .. import hooks
     from ..launch import prepare, start
     from ..model import resolve_model
-    from ..prompt import checkpoint_sampling
+    from ..console import print_warning
+    from ..prompt import NO_TEMPLATE_NOTICE, checkpoint_sampling
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
     from ..server.connections import uvicorn_server
@@ -165,6 +167,8 @@ def serve_command(
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(hooks.load_tokenizer(resolved))
+    if not codec.tokenizer.has_chat_template:
+        print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)

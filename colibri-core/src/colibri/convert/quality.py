@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..engine import logits_row
 from ..errors import EngineError, UsageError
 
 
@@ -44,12 +45,13 @@ def forced_logits(engine: Any, ids: Sequence[int], prefill: int, slot: int = 0) 
     if len(ids) < 2 or not 1 <= prefill <= len(ids):
         raise UsageError(f"quality: need at least 2 tokens and 1 <= prefill <= {len(ids)} (got {prefill})")
     forced = ids[prefill:]
-    request = engine.submit(ids[:prefill], slot=slot, logits=True, forced=forced or None,
+    # "f32": each row as base64 float32, not vocab numbers printed and parsed as JSON text (docs/protocol.md)
+    request = engine.submit(ids[:prefill], slot=slot, logits="f32", forced=forced or None,
                             max_tokens=max(1, len(forced)), temperature=0.0)
-    by_pos: dict[int, list[float]] = {}
+    by_pos: dict[int, np.ndarray] = {}
     for event in request.events():
         if event.get("ev") == "logits":
-            by_pos[int(event["pos"])] = event["values"]
+            by_pos[int(event["pos"])] = logits_row(event)
     want = range(len(ids) - 1)
     missing = [p for p in want if p not in by_pos]
     if missing:
@@ -123,6 +125,20 @@ def default_text() -> str:
     return QUALITY_TEXT.read_text(encoding="utf-8")
 
 
+DEFAULT_POSITIONS = 512
+
+
+def fitting_positions(positions: int | None, max_ctx: int | None) -> int:
+    """``--positions``, or its default shrunk to what the context holds: n predictions need n + 1 tokens in one
+    prompt. An explicit value the context cannot hold is refused with the largest that fits."""
+    if positions is None:
+        return DEFAULT_POSITIONS if max_ctx is None else max(1, min(DEFAULT_POSITIONS, max_ctx - 1))
+    if max_ctx is not None and positions + 1 > max_ctx:
+        raise UsageError(f"--positions {positions}: needs {positions + 1} tokens of context and the models hold at "
+                         f"most {max_ctx}", f"pass --positions {max_ctx - 1} or fewer")
+    return positions
+
+
 def token_window(ids: Sequence[int], positions: int, where: str) -> list[int]:
     """The first ``positions + 1`` ids (``positions`` next-token predictions); refuses a text too short."""
     if positions < 1:
@@ -134,10 +150,12 @@ def token_window(ids: Sequence[int], positions: int, where: str) -> list[int]:
 
 
 def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fraction: float = 1.0,
-                positions: int | None = None, **engine_options: Any) -> QualityReport:
+                positions: int | str | None = None, **engine_options: Any) -> QualityReport:
     """``coli bench quality``: tokenize ``texts`` with the reference's tokenizer, run each model's engine in turn
-    (one at a time, so peak RAM is one model's), and compare. ``candidate``/``reference`` are ResolvedModels;
-    ``engine_options`` go to ``colibri.launch.open_engine`` (ram_gib, ctx, threads, ...).
+    (one at a time, so peak RAM is one model's), and compare. ``positions``: predictions per text (each text cut
+    to ``positions + 1`` tokens), ``"fit"`` for the default the models' context holds, None for whole texts.
+    ``candidate``/``reference`` are ResolvedModels; ``engine_options`` go to ``colibri.launch.open_engine``
+    (ram_gib, ctx, threads, ...).
 
     Needs an engine that runs colibri-quant containers (the family's ``limits().quant_schemes`` lists them).
     ``prefill_fraction`` < 1 also compares decode steps (teacher-forced through ``forced``), which needs engines
@@ -145,11 +163,14 @@ def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fr
     default compares every position through the prefill path.
     """
     from .. import hooks
-    from ..launch import open_engine
+    from ..inventory import load_facts
+    from ..launch import max_ctx, open_engine
 
     tokenizer = hooks.load_tokenizer(reference)
     ids = [tokenizer.encode(t) for t in texts]
     if positions is not None:
+        bounds = [b for b in (max_ctx(load_facts(m)) for m in (reference, candidate)) if b]
+        positions = fitting_positions(None if positions == "fit" else positions, min(bounds) if bounds else None)
         ids = [token_window(x, positions, f"text {i + 1}") for i, x in enumerate(ids)]
     if any(len(x) < 2 for x in ids):
         raise UsageError("quality: every text must tokenize to at least 2 tokens")

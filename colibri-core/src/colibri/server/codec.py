@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..prompt import NO_TEMPLATE_FIX
 from ..tokenizer import TextTokenizer, load_tokenizer_dir
 from .prompt_bound import PromptBound, prompt_bound
 
@@ -32,7 +33,7 @@ class TokenizerCodec:
         """The prompt text of a conversation (its special tokens spelled out), ready for the assistant's turn."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template, so chat requests cannot be rendered",
-                              "use /v1/completions with a plain prompt")
+                              NO_TEMPLATE_FIX)
         return self.tokenizer.render_chat(messages, add_generation_prompt=True)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..prompt import MAX_TEMPERATURE
 from .errors import bad_request
 
 MAX_STOP_SEQUENCES = 16
@@ -219,7 +220,7 @@ def _text_content(value: Any, where: str, part_types: tuple[str, ...]) -> str:
 
 
 def _common_sampling(fields: _Fields, spec: GenerationSpec, kv_slots: int) -> None:
-    spec.temperature = fields.number("temperature", None, 0.0, 2.0)
+    spec.temperature = fields.number("temperature", None, 0.0, MAX_TEMPERATURE)
     spec.top_p = fields.number("top_p", None, 0.0, 1.0)
     if spec.top_p == 0.0:
         raise bad_request("'top_p' is 0; it must be greater than 0 (use temperature 0 for greedy)",
