@@ -318,7 +318,8 @@ class Engine:
             # stdout is unbuffered (bufsize=0): readline on it would make one read() per byte, which costs more
             # than the engine's work on a logits row. A buffered reader reads what the pipe holds at once and still
             # hands over each line as soon as it is complete.
-            reader = io.BufferedReader(self.proc.stdout, STDOUT_READ_BYTES)
+            assert self.proc.stdout is not None   # Popen(stdout=PIPE)
+            reader = io.BufferedReader(self.proc.stdout, STDOUT_READ_BYTES)  # type: ignore[type-var]
             for raw in iter(reader.readline, b""):
                 self._route(raw)
         except (OSError, ValueError):

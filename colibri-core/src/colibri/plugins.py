@@ -124,7 +124,8 @@ def culprit(exc: BaseException) -> LoadedFamily | None:
 
     A bug inside a family hook is that plugin's to fix: the CLI names its package and version instead of calling
     it a colibri internal error."""
-    packages, modules = {}, {}
+    packages: dict[str, LoadedFamily] = {}
+    modules: dict[str, LoadedFamily] = {}
     for fam in _families.values():
         if fam.plugin is None:
             continue

@@ -170,7 +170,8 @@ def run_quality(candidate: Any, reference: Any, texts: Sequence[str], prefill_fr
     ids = [tokenizer.encode(t) for t in texts]
     if positions is not None:
         bounds = [b for b in (max_ctx(load_facts(m)) for m in (reference, candidate)) if b]
-        positions = fitting_positions(None if positions == "fit" else positions, min(bounds) if bounds else None)
+        asked = None if positions == "fit" else int(positions)
+        positions = fitting_positions(asked, min(bounds) if bounds else None)
         ids = [token_window(x, positions, f"text {i + 1}") for i, x in enumerate(ids)]
     if any(len(x) < 2 for x in ids):
         raise UsageError("quality: every text must tokenize to at least 2 tokens")
