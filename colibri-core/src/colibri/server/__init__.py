@@ -4,8 +4,8 @@ Modules, one job each: ``config`` (settings), ``app`` (routes, key gate, body li
 ``validation`` (request bodies → :class:`~.validation.GenerationSpec`), ``generation`` (one request's life:
 slot, submit, events → text), ``scheduler`` (KV slots + bounded FIFO queue), ``engine_host`` (load, watch,
 restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing and disconnects),
-``metrics`` (Prometheus text), ``auth`` (API key), ``codec`` (tokenizer + chat template),
-``openai_routes`` / ``anthropic_routes`` (the two dialects).
+``metrics`` (Prometheus text), ``access_log`` (a line per request), ``auth`` (API key), ``codec`` (tokenizer +
+chat template), ``openai_routes`` / ``anthropic_routes`` (the two dialects).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from ..detok import IncrementalDetokenizer
 from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
+from .access_log import note
 from .engine_host import EngineHost
 from .errors import APIError, bad_request
 from .metrics import Metrics
@@ -169,6 +170,7 @@ class GenerationRun:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.prepare)   # tokenizing a large prompt must not stall other streams
+        note(prompt_tokens=len(self.prompt_ids), completion_tokens=0)
         self._lease = await self.s.scheduler.acquire(conversation_key(self.spec), self.spec.cache_slot)
         try:
             self._engine = await self.s.host.engine(self.s.queue_timeout)
@@ -209,9 +211,12 @@ class GenerationRun:
     def _pump(self, loop: asyncio.AbstractEventLoop, request: Any, lease: Lease) -> None:
         """Thread: move the engine's events onto the loop; release the slot once the engine is done with it."""
         put = self._events.put_nowait
+        clock = self.s.metrics.token_clock(self._started_at)
         try:
             for event in request:
-                if event.get("ev") == "done":
+                if event.get("ev") == "token":
+                    clock.token()
+                elif event.get("ev") == "done":
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
                 loop.call_soon_threadsafe(put, ("event", event))
         except EngineRequestError as exc:
@@ -267,6 +272,7 @@ class GenerationRun:
                 yield KeepAlive()
             elif ev == "token":
                 generated += 1
+                note(completion_tokens=generated)
                 text = stops.feed(decoder.push(int(payload["tok"])))
                 if text:
                     yield Delta(text)
@@ -287,6 +293,7 @@ class GenerationRun:
                 prefilled = int(payload.get("prefilled_tokens", prompt_tokens - reused))
                 usage = Usage(prompt_tokens, int(payload.get("generated_tokens", generated)),
                               max(0, prompt_tokens - prefilled))
+                note(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
                 self.s.metrics.request_finished(time.monotonic() - self._started_at)
                 reason = "length" if payload.get("reason") == "length" else "stop"
                 if stops.matched is not None:
