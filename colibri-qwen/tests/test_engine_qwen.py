@@ -147,26 +147,43 @@ def exact_logits(path: Path, prompt: list[int]):
     return logits
 
 
-def reference_run(model, prompt: list[int], n: int):
+def reference_run(model, prompt: list[int], n: int, use_cache: bool = True):
     ids = torch.tensor([prompt])
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
+        logits = model(ids, attention_mask=mask, use_cache=use_cache).logits[0]
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD, use_cache=use_cache)
     top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
     return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
 
 
-def pick_prompt(model, vocab: int, length: int, n: int = GREEDY_TOKENS):
+def pick_prompt(model, vocab: int, length: int, n: int = GREEDY_TOKENS, use_cache: bool = True):
     """A seeded random prompt whose greedy continuation is never a near-tie."""
     for seed in range(12):
         rng = random.Random(seed)
         prompt = [rng.randrange(2, vocab) for _ in range(length)]
-        logits, tokens, margin = reference_run(model, prompt, n)
+        logits, tokens, margin = reference_run(model, prompt, n, use_cache)
         if margin >= MIN_MARGIN:
             return prompt, logits, tokens
     pytest.fail(f"no prompt of 12 tried has a top-1/top-2 margin >= {MIN_MARGIN} over {n} greedy tokens")
+
+
+def check_every_cache_size(binary: Path, model_dir: Path, geometry, prompt: list[int], ref_tokens: list[int],
+                           exact, hf_error: float) -> None:
+    """At caches of 1, 2 and every expert per layer: transformers' greedy tokens, prompt logits within LOGIT_TOL
+    of the exact answer, one expert store per MoE layer, misses whenever one slot must serve a layer."""
+    for cap in (1, 2, 0):
+        with start(binary, model_dir, cap=cap) as engine:
+            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
+            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
+            stats = engine.stats()
+        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
+        error = (torch.tensor(result.logits, dtype=torch.float64) - exact).abs().max().item()
+        assert error <= LOGIT_TOL, f"cap {cap}: prompt logits {error:.3g} from exact (transformers f32: {hf_error:.3g})"
+        assert len(stats["hits"]) == len(geometry.moe_layers)
+        if cap == 1:
+            assert all(m > 0 for m in stats["misses"])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -180,18 +197,7 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, vari
     prompt, ref_logits, ref_tokens = pick_prompt(reference, geometry.vocab_size, 40)
     exact = exact_logits(built.path, prompt)
     hf_error = (ref_logits.double() - exact).abs().max().item()
-    moe_layers = len(geometry.moe_layers)
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        error = (torch.tensor(result.logits, dtype=torch.float64) - exact).abs().max().item()
-        assert error <= LOGIT_TOL, f"cap {cap}: prompt logits {error:.3g} from exact (transformers f32: {hf_error:.3g})"
-        assert len(stats["hits"]) == moe_layers
-        if cap == 1:
-            assert all(m > 0 for m in stats["misses"])
+    check_every_cache_size(engine_binary, built.path, geometry, prompt, ref_tokens, exact, hf_error)
     if variant in HYBRIDS:
         assert geometry.state_bytes_per_slot > 0
     else:

@@ -15,15 +15,13 @@ reference generates with ``use_cache=False``: the same model, recomputed from sc
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_engine_qwen import (  # noqa: E402
-    GREEDY_TOKENS, LOGIT_TOL, MIN_MARGIN, PAD, exact_logits, load_reference, resolved, start,
+    check_every_cache_size, exact_logits, load_reference, pick_prompt, resolved,
 )
 
 from colibri.builder import build_family  # noqa: E402
@@ -56,28 +54,6 @@ def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("qwen-edges")
 
 
-def reference_run(model, prompt: list[int], n: int, use_cache: bool):
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask, use_cache=False).logits[0]
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=PAD,
-                             use_cache=use_cache)
-    top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
-    return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
-
-
-def pick_prompt(model, use_cache: bool):
-    for seed in range(12):
-        rng = random.Random(seed)
-        prompt = [rng.randrange(2, 512) for _ in range(40)]
-        logits, tokens, margin = reference_run(model, prompt, GREEDY_TOKENS, use_cache)
-        if margin >= MIN_MARGIN:
-            return prompt, tokens
-    pytest.fail(f"no prompt of 12 tried has a top-1/top-2 margin >= {MIN_MARGIN}")
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case):
     kind, overrides, seed = CASES[case]
@@ -85,21 +61,14 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, case
     model = resolved(built.path)
     geometry = model_geometry(model=model)
     kinds = overrides.get("layer_types") or []
+    all_linear = bool(kinds) and all(k == "linear_attention" for k in kinds)
     reference = load_reference(built.path)
-    prompt, ref_tokens = pick_prompt(reference, use_cache="linear_attention" not in kinds or "full_attention" in kinds)
+    prompt, ref_logits, ref_tokens = pick_prompt(reference, geometry.vocab_size, 40, use_cache=not all_linear)
     exact = exact_logits(built.path, prompt)
-    for cap in (1, 2, 0):
-        with start(engine_binary, built.path, cap=cap) as engine:
-            assert engine.ready["state_bytes"] == geometry.state_bytes_per_slot
-            result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
-            stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
-        error = (torch.tensor(result.logits, dtype=torch.float64) - exact).abs().max().item()
-        assert error <= LOGIT_TOL, f"cap {cap}: prompt logits {error:.3g} from exact"
-        if cap == 1:
-            assert all(m > 0 for m in stats["misses"])
+    hf_error = (ref_logits.double() - exact).abs().max().item()
+    check_every_cache_size(engine_binary, built.path, geometry, prompt, ref_tokens, exact, hf_error)
     if kinds and all(k == "full_attention" for k in kinds):
         assert geometry.state_bytes_per_slot == 0
         assert not any(a.startswith("linear_") for a in engine_hparams(model)[1::2])
-    if kinds and all(k == "linear_attention" for k in kinds):
+    if all_linear:
         assert geometry.kv_bytes_per_token == 0
