@@ -597,15 +597,30 @@ def test_refuses_flags_the_family_does_not_support(tiny_src, tmp_path):
         run_convert(tiny_src, tmp_path / "o", experts="int2")
 
 
-def test_refuses_int4_when_input_dim_is_not_a_multiple_of_64(tmp_path):
-    from colibri.errors import UsageError
+def test_int4_falls_back_to_int8_per_tensor_when_input_dim_is_not_a_multiple_of_64(tmp_path):
+    from typer.testing import CliRunner
 
-    src = write_tiny(tmp_path / "src", layers=1, inter=32)
-    with pytest.raises(UsageError, match=r"--experts int4: model.layers.0.mlp.experts.0.down_proj.weight \[64, 32\]"
-                                         r": int4 needs the input dimension to be a multiple of 64"):
-        run_convert(src, tmp_path / "out", experts="int4")
-    assert not (tmp_path / "out").exists()
-    run_convert(src, tmp_path / "out", experts="int8", verify=True)
+    from colibri.cli import app
+    from colibri.convert.container import open_container
+
+    src = write_tiny(tmp_path / "src", layers=2, inter=96)   # down_proj [64, 96]: 96 is no multiple of 64
+    result = run_convert(src, tmp_path / "out", experts="int4", dense="int4", verify=True)
+    container = open_container(tmp_path / "out")
+    schemes = {name: t.scheme for name, t in container.tensors.items()}
+    downs = {n for n in schemes if n.endswith("down_proj.weight")}
+    assert len(downs) == 2 * 16 and {schemes[n] for n in downs} == {"int8-row"}
+    assert {s for n, s in schemes.items() if ".experts." in n and n not in downs} == {"int4-g64"}
+    assert schemes["model.layers.0.self_attn.q_proj.weight"] == "int4-g64"     # dense [64, 64] keeps int4
+    assert sorted(f.name for f in result.fallbacks) == sorted(downs)
+    assert {(f.shape, f.wanted, f.used) for f in result.fallbacks} == {((64, 96), "int4-g64", "int8-row")}
+    assert result.verified.max_ratio["int8-row"] <= 1.0 and result.verified.max_ratio["int4-g64"] <= 1.0
+
+    res = CliRunner().invoke(app, ["convert", "--model", str(src), "--out", str(tmp_path / "cli"), "--experts", "int4"],
+                             terminal_width=200)
+    assert res.exit_code == 0, res.output
+    lines = [" ".join(ln.split()) for ln in res.output.splitlines() if ln.startswith("fallback")]
+    assert lines == ["fallback model.layers.*.mlp.experts.*.down_proj.weight [64, 96] x32: int8-row instead of "
+                     "int4-g64 (input width 96 is not a multiple of 64)"], res.output
 
 
 def test_refuses_non_finite_weights(tmp_path):

@@ -42,6 +42,9 @@ CASES = {
     "sparse_bf16": dict(BASE, dtype="bfloat16"),
     # index_topk above every entry count: the indexer keeps everything (the HCA-like path of a CSA layer)
     "dense_index": dict(BASE, index_topk=64),
+    # head_dim 32 x 0.15625 = 5 rotary dims: transformers rotates the trailing 2 * ceil(5 / 2) = 6, frequencies
+    # over 5
+    "odd_rotary": dict(BASE, partial_rotary_factor=0.15625),
     # the released layout: YaRN on the compressed layers' RoPE, two hash layers, a wider window
     "yarn_two_hash": dict(BASE, num_hidden_layers=4, sliding_window=12,
                           mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],

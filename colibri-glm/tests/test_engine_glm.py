@@ -47,6 +47,8 @@ YARN_MSCALE = dict(YARN, mscale=1.0, mscale_all_dim=0.707)
 # that must equal dense MLA; index_topk 8 is well below it and must equal transformers' sparse selection.
 CASES = {
     "glm4_moe": ("glm4_moe", {}),                                   # qkv bias + per-head q/k norm, partial RoPE
+    # head_dim 16 x 0.3125 = 5 rotary dims: transformers rotates 2 * ceil(5 / 2) = 6, frequencies over 5.
+    "glm4_moe_odd_rotary": ("glm4_moe", dict(partial_rotary_factor=0.3125)),
     "glm4_moe_plain_tied": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, tie_word_embeddings=True)),
     "glm4_moe_lite": ("glm4_moe_lite", {}),                         # q_a/q_b LoRA, interleaved RoPE
     "glm4_moe_lite_qproj_halfsplit_bias": ("glm4_moe_lite",

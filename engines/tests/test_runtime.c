@@ -1,6 +1,7 @@
 /* test_runtime.c: the shared runtime's non-numeric parts: JSON reader (incl. a fuzz pass over random, truncated
  * and mutated inputs, meant to run under ASan/UBSan), safetensors index validation, the expert store's LRU and
- * read accounting, and the sampler. */
+ * read accounting, the sampler, and the RoPE geometry read from hyperparameters. */
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "blocks.h"
 #include "experts.h"
 #include "json.h"
 #include "safetensors.h"
@@ -391,6 +393,50 @@ static void test_sampler(void) {
           counts[1], counts[3], counts[4]);
 }
 
+/* ---- RoPE geometry ---- */
+
+/* cb_rope_init from --set pairs (NULL-terminated key, value list). 0 on success; err holds the refusal. */
+static int rope_from(cb_rope *r, int head_dim, char err[256], ...) {
+    char *keys[8], *values[8];
+    int used[8] = {0}, n = 0;
+    va_list ap;
+    va_start(ap, err);
+    for (const char *k; n < 8 && (k = va_arg(ap, const char *));) {
+        keys[n] = (char *)k;
+        values[n++] = va_arg(ap, char *);
+    }
+    va_end(ap);
+    cb_hparams hp = {n, keys, values, used};
+    err[0] = 0;
+    return cb_rope_init(r, &hp, head_dim, 1, err, 256);
+}
+
+static void test_rope_geometry(void) {
+    cb_rope r;
+    char err[256];
+    /* transformers: dim = int(16 * 0.3125) = 5 sets the frequencies 1 / theta^(2i / 5), i < 3; 6 dims rotate. */
+    CHECK(rope_from(&r, 16, err, "rope_theta", "10000", "partial_rotary_factor", "0.3125", NULL) == 0, "%s", err);
+    CHECK(r.rot_dim == 6, "odd rotary dim 5 rotates %d dims, want 6", r.rot_dim);
+    for (int i = 0; i < 3; i++)
+        CHECK(r.inv_freq[i] == 1.0f / powf(10000.0f, (float)(2 * i) / 5.0f), "inv_freq[%d] over dim 5", i);
+    cb_rope_free(&r);
+    /* int(100 * 0.29) is 28 in double (Python's product), 29 in float: the rotation must follow Python. */
+    CHECK(rope_from(&r, 100, err, "rope_theta", "10000", "partial_rotary_factor", "0.29", NULL) == 0, "%s", err);
+    CHECK(r.rot_dim == 28, "100 x 0.29 rotates %d dims, want 28", r.rot_dim);
+    CHECK(r.inv_freq[1] == 1.0f / powf(10000.0f, 2.0f / 28.0f), "inv_freq over dim 28");
+    cb_rope_free(&r);
+    CHECK(rope_from(&r, 64, err, "rope_theta", "10000", NULL) == 0 && r.rot_dim == 64, "full rotation");
+    cb_rope_free(&r);
+    /* refusals: an odd head rotated whole would rotate past the head; yarn's ramp has no odd form */
+    CHECK(rope_from(&r, 5, err, "rope_theta", "10000", NULL) == -1 && strstr(err, "more than head_dim 5"), "%s", err);
+    CHECK(rope_from(&r, 16, err, "rope_theta", "10000", "partial_rotary_factor", "0.3125", "rope_type", "yarn",
+                    "rope_factor", "4", NULL) == -1 && strstr(err, "yarn needs an even"), "%s", err);
+    CHECK(rope_from(&r, 16, err, "rope_theta", "10000", "partial_rotary_factor", "0.5x", NULL) == -1 &&
+          strstr(err, "partial_rotary_factor=0.5x"), "%s", err);
+    CHECK(rope_from(&r, 16, err, "rope_theta", "10000", "partial_rotary_factor", "0.01", NULL) == -1 &&
+          strstr(err, "no dimensions"), "%s", err);
+}
+
 int main(void) {
     setenv("COLIBRI_PREFETCH", "1", 1);   /* the expert test checks prefetching changes nothing */
     snprintf(tmpdir, sizeof tmpdir, "/tmp/cb-test-runtime-XXXXXX");
@@ -405,6 +451,7 @@ int main(void) {
     test_safetensors();
     test_experts();
     test_sampler();
+    test_rope_geometry();
     cb_experts_io_shutdown();
     clear_tmp();
     rmdir(tmpdir);

@@ -240,6 +240,11 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         values.update(
             zero_centered_norm=1, attn_output_gate=1,
             layer_types=",".join("linear_attention" if k == "linear_attention" else "full_attention" for k in kinds),
+        )
+    # Any layer pattern the config allows (all full attention included) runs; the engine reads the linear
+    # geometry only when some layer needs it, and refuses --set keys it never read.
+    if r["hybrid"] and "linear_attention" in kinds:
+        values.update(
             linear_projection="fused" if mt == "qwen3_next" else "split",
             linear_num_key_heads=r["lin_k_heads"], linear_num_value_heads=r["lin_v_heads"],
             linear_key_head_dim=r["lin_k_dim"], linear_value_head_dim=r["lin_v_dim"],

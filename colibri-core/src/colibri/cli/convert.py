@@ -60,6 +60,7 @@ def convert_command(
     family: Optional[str] = FamilyOption,
 ) -> None:
     """Convert a checkpoint into a colibri-quant container (safetensors shards; see docs/formats.md)."""
+    from ..convert.plan import summarize_fallbacks
     from ..convert.run import convert
 
     resolved = resolve_model(model, family)
@@ -73,6 +74,7 @@ def convert_command(
         ("time", f"{result.seconds:.1f} s"),
         ("peak RSS", human_bytes(result.peak_rss_bytes)),
     ]
+    pairs += [("fallback", line) for line in summarize_fallbacks(result.fallbacks)]
     if result.verified is not None:
         ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(result.verified.max_ratio.items()))
         pairs.append(("verified", f"{result.verified.tensors} tensors, {result.verified.experts} experts contiguous; "

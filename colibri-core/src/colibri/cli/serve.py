@@ -188,8 +188,8 @@ def serve_command(
 
     application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal,
                              default_sampling=checkpoint_sampling(resolved.path))
-    server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5,
-                            access_log=level == "debug")
+    # access_log off: colibri.server.access logs each request with its route, tokens and duration instead
+    server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5, access_log=False)
     server_log = logging.getLogger("colibri.server")
     if not server_log.handlers:   # uvicorn configures only its own loggers; engine deaths and restarts go here
         handler = logging.StreamHandler()

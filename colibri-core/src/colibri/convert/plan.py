@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from ..errors import CheckpointError, UsageError
 from ..records import ConverterSpec, TensorLayout
 from . import fp8_source
 from .container import CONTAINER_VERSION, SCALES_DTYPE, qweight_name, scales_name, shard_metadata
-from .schemes import BY_OPTION, COPY_SCHEME, FLOAT_SOURCE_DTYPES, Scheme
+from .schemes import BY_OPTION, COPY_SCHEME, FLOAT_SOURCE_DTYPES, INT4, INT8, Scheme
 
 HEADER_ALIGN = 8
 
@@ -49,6 +50,32 @@ class Item:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+# A matrix the requested scheme cannot hold takes this one instead, for that tensor alone (as llama.cpp falls back
+# per tensor): int8-row has one scale per row, so it fits any input width.
+FALLBACK = {INT4.name: INT8}
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One tensor stored with another scheme than the one asked for, and why."""
+
+    name: str
+    shape: tuple[int, int]
+    wanted: str                          # scheme-map values, e.g. "int4-g64" -> "int8-row"
+    used: str
+    why: str
+
+
+def summarize_fallbacks(fallbacks: list[Fallback]) -> list[str]:
+    """One line per tensor role (layer and expert indices folded into ``*``), with its count, for the report."""
+    groups: dict[tuple[str, tuple[int, int], str, str, str], int] = {}
+    for f in fallbacks:
+        key = (re.sub(r"(?<=\.)\d+(?=\.)", "*", f.name), f.shape, f.wanted, f.used, f.why)
+        groups[key] = groups.get(key, 0) + 1
+    return [f"{pattern} {list(shape)} x{n}: {used} instead of {wanted} ({why})"
+            for (pattern, shape, wanted, used, why), n in sorted(groups.items())]
 
 
 @dataclass
@@ -89,6 +116,7 @@ class JobPlan:
     job: str                             # digest of source headers, config and options
     experts: str
     dense: str
+    fallbacks: list[Fallback] = field(default_factory=list)
 
     @property
     def source_bytes(self) -> int:
@@ -101,14 +129,19 @@ class JobPlan:
         return sum(s.data_bytes for s in self.shards)
 
 
-def _quant_item(t: TensorInfo, scheme: Scheme, role: str, flag: str, scale: TensorInfo | None = None) -> Item:
+def _quant_item(t: TensorInfo, scheme: Scheme, role: str, flag: str, fallbacks: list[Fallback],
+                scale: TensorInfo | None = None) -> Item:
     if (t.dtype not in FLOAT_SOURCE_DTYPES and scale is None) or len(t.shape) != 2:
         raise CheckpointError(f"{t.file}: {role} tensor {t.name!r} is {t.dtype}{list(t.shape)}; "
                               f"convert quantizes 2-D {'/'.join(FLOAT_SOURCE_DTYPES)} matrices only",
                               "this checkpoint's layout needs a family-specific converter")
     rows, cols = t.shape
     why = scheme.check_cols(cols)
-    if why:
+    if why and scheme.name in FALLBACK:
+        wanted, scheme = scheme, FALLBACK[scheme.name]
+        fallbacks.append(Fallback(t.name, (rows, cols), wanted.name, scheme.name,
+                                  f"input width {cols} is not a multiple of {wanted.group}"))
+    elif why:
         raise UsageError(f"{flag} {scheme.option}: {t.name} {list(t.shape)}: {why}",
                          f"use {flag} int8 for this model")
     parts = (Part(qweight_name(t.name), scheme.qdtype, scheme.qweight_shape(rows, cols)),
@@ -154,6 +187,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
     if layout.lm_head:
         known.add(layout.lm_head)
 
+    fallbacks: list[Fallback] = []
     expert_items: dict[int, list[tuple[int, list[Item]]]] = {}
     expert_names: set[str] = set()
     for ex in layout.experts:
@@ -167,7 +201,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
                 raise CheckpointError(f"{index.shard_sets[0].directory}: routed-expert tensor {name!r} "
                                       "named by the family's layout is missing",
                                       "the checkpoint is incomplete, or its family plugin does not match it")
-            items.append(_quant_item(index[name], expert_scheme, "routed-expert", "--experts",
+            items.append(_quant_item(index[name], expert_scheme, "routed-expert", "--experts", fallbacks,
                                      fp8_source.scale_for(index, name)))
             expert_names.add(name)
         expert_items.setdefault(ex.layer, []).append((ex.expert, items))
@@ -180,7 +214,8 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
         if t.name.startswith(skipped) or t.name not in known or not floaty:
             item = _float_item(t, COPY_SCHEME)
         elif t.name in dense_names and len(t.shape) == 2:
-            item = _quant_item(t, dense_scheme, "dense", "--dense") if dense_scheme else _float_item(t, dense)
+            item = (_quant_item(t, dense_scheme, "dense", "--dense", fallbacks) if dense_scheme
+                    else _float_item(t, dense))
         else:
             item = _float_item(t, "f32")
         plain.setdefault(_layer_of(t.name), []).append(item)
@@ -197,7 +232,7 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
     for i, shard in enumerate(shards, start=1):
         shard.index = i
         shard.file_name = f"model-{i:05d}-of-{n:05d}.safetensors"
-    return JobPlan(shards, job_digest(index, config_bytes, experts, dense), experts, dense)
+    return JobPlan(shards, job_digest(index, config_bytes, experts, dense), experts, dense, fallbacks)
 
 
 def source_files(index: TensorIndex) -> list[Path]:

@@ -29,7 +29,7 @@ from .container import (
     open_container,
 )
 from .io import produce
-from .plan import JobPlan, ShardPlan, build_plan
+from .plan import Fallback, JobPlan, ShardPlan, build_plan
 from .schemes import BY_OPTION, FLOAT_SCHEMES, NonFiniteError, ScaleOverflowError
 from .spec import DENSE_SCHEMES, EXPERT_SCHEMES
 from .verify import VerifyResult
@@ -67,6 +67,7 @@ class ConvertResult:
     already_done: bool = False
     verified: VerifyResult | None = None   # when --verify ran
     copied_files: list[str] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)   # tensors stored with another scheme than asked
 
 
 def peak_rss_bytes() -> int:
@@ -367,7 +368,7 @@ def convert(model: ResolvedModel, out: Path, experts: str = "int8", dense: str =
     result = ConvertResult(out=out, shards=len(plan.shards), written_shards=written, source_bytes=plan.source_bytes,
                            output_bytes=sum((out / s.file_name).stat().st_size for s in plan.shards),
                            seconds=time.monotonic() - started, peak_rss_bytes=peak_rss_bytes(),
-                           already_done=state == "done", copied_files=copied)
+                           already_done=state == "done", copied_files=copied, fallbacks=plan.fallbacks)
     if verify:
         from .verify import verify_container
 

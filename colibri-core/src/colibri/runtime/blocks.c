@@ -136,7 +136,7 @@ void cb_clamp(float *x, size_t n, float limit) {
  * original context are interpolated (divided by factor), those rotating more than beta_fast times are kept, with
  * a linear ramp between. The cos/sin scale (rope_attention_factor) is resolved by the plugin from the config's
  * attention_factor / mscale / mscale_all_dim, since models disagree on how to derive it. */
-static int cb_rope_yarn(cb_rope *r, cb_hparams *hp, float theta, float factor, int orig_max, char *err,
+static int cb_rope_yarn(cb_rope *r, cb_hparams *hp, int dim, float theta, float factor, int orig_max, char *err,
                         size_t errlen) {
     float beta_fast = 32.0f, beta_slow = 1.0f, attention_factor = 1.0f;
     int truncate = 1;
@@ -149,7 +149,12 @@ static int cb_rope_yarn(cb_rope *r, cb_hparams *hp, float theta, float factor, i
         snprintf(err, errlen, "--set rope_original_max_position / rope_beta_* / rope_attention_factor out of range");
         return -1;
     }
-    int dim = r->rot_dim;
+    /* transformers' ramp has dim/2 entries against ceil(dim/2) frequencies: an odd dim fails there, so here too */
+    if (dim % 2) {
+        snprintf(err, errlen, "--set partial_rotary_factor: yarn needs an even number of rotary dimensions, "
+                              "this one is %d", dim);
+        return -1;
+    }
     /* the dimension index whose frequency completes `rotations` turns over the original context (in double) */
 #define CORRECTION_DIM(rotations) \
     ((double)dim * log((double)orig_max / ((double)(rotations) * 2.0 * M_PI)) / (2.0 * log((double)theta)))
@@ -174,26 +179,49 @@ static int cb_rope_yarn(cb_rope *r, cb_hparams *hp, float theta, float factor, i
     return 0;
 }
 
+/* partial_rotary_factor as the double Python holds, so head_dim * partial truncates exactly as int() does there
+ * (in float, e.g. 0.7 * 10 and similar products can land on the other side of an integer). */
+static int rope_partial(cb_hparams *hp, double *out, char *err, size_t errlen) {
+    const char *s = cb_hp_str_opt(hp, "partial_rotary_factor", NULL);
+    *out = 1.0;
+    if (!s) return 0;
+    char *end;
+    *out = strtod(s, &end);
+    if (end == s || *end || !(*out > 0 && *out <= 1)) {
+        snprintf(err, errlen, "--set partial_rotary_factor=%.40s: expected a number in (0, 1]", s);
+        return -1;
+    }
+    return 0;
+}
+
 int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, size_t errlen) {
     memset(r, 0, sizeof *r);
-    float theta = 0, partial = 1.0f, factor = 1.0f, low = 1.0f, high = 4.0f;
+    float theta = 0, factor = 1.0f, low = 1.0f, high = 4.0f;
+    double partial = 1.0;
     int orig_max = 8192;
-    if (cb_hp_float(hp, "rope_theta", &theta, err, errlen) ||
-        cb_hp_float_opt(hp, "partial_rotary_factor", &partial, err, errlen) ||
+    if (cb_hp_float(hp, "rope_theta", &theta, err, errlen) || rope_partial(hp, &partial, err, errlen) ||
         cb_hp_float_opt(hp, "rope_factor", &factor, err, errlen) ||
         cb_hp_float_opt(hp, "rope_low_freq_factor", &low, err, errlen) ||
         cb_hp_float_opt(hp, "rope_high_freq_factor", &high, err, errlen) ||
         cb_hp_int_opt(hp, "rope_original_max_position", &orig_max, err, errlen))
         return -1;
     const char *type = cb_hp_str_opt(hp, "rope_type", "default");
-    if (theta <= 0 || partial <= 0 || partial > 1 || factor <= 0) {
-        snprintf(err, errlen, "--set rope_theta/partial_rotary_factor/rope_factor out of range");
+    if (theta <= 0 || factor <= 0) {
+        snprintf(err, errlen, "--set rope_theta/rope_factor out of range");
         return -1;
     }
-    int rot = (int)((float)head_dim * partial);
-    rot -= rot % 2;
-    if (rot < 2) {
+    /* transformers: dim = int(head_dim * partial_rotary_factor) sets the frequencies, 1 / theta^(2i / dim) for the
+     * even 2i < dim, i.e. ceil(dim / 2) of them; cos/sin are those repeated twice, so 2 * ceil(dim / 2) dims rotate
+     * (one more than dim when it is odd), paired (i, i + ceil(dim / 2)) by rotate_half. */
+    int dim = (int)((double)head_dim * partial);
+    int rot = dim + dim % 2;
+    if (dim < 1) {
         snprintf(err, errlen, "--set partial_rotary_factor leaves no dimensions to rotate");
+        return -1;
+    }
+    if (rot > head_dim) {
+        snprintf(err, errlen, "--set partial_rotary_factor: %d rotary dimensions rotate %d, more than head_dim %d",
+                 dim, rot, head_dim);
         return -1;
     }
     r->neox = neox;
@@ -204,9 +232,9 @@ int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, 
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    /* As transformers: inv_freq = 1 / theta^(2i/rot) computed in f32. */
+    /* As transformers: inv_freq = 1 / theta^(2i/dim) computed in f32. */
     for (int i = 0; i < rot / 2; i++) {
-        float expo = (float)(2 * i) / (float)rot;
+        float expo = (float)(2 * i) / (float)dim;
         r->inv_freq[i] = 1.0f / powf(theta, expo);
     }
     if (strcmp(type, "default") == 0) return 0;
@@ -233,7 +261,7 @@ int cb_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, int neox, char *err, 
         return 0;
     }
     if (strcmp(type, "yarn") == 0) {
-        if (cb_rope_yarn(r, hp, theta, factor, orig_max, err, errlen)) {
+        if (cb_rope_yarn(r, hp, dim, theta, factor, orig_max, err, errlen)) {
             cb_rope_free(r);
             return -1;
         }

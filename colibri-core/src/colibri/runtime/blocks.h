@@ -66,8 +66,8 @@ void cb_swiglu_clamp(float *gate, float *up, size_t n, float limit);
 
 typedef struct {
     int neox;                  /* pairs (i, i + rot/2); else interleaved pairs (2i, 2i+1) */
-    int rot_dim;
-    float *inv_freq;           /* rot_dim / 2 entries */
+    int rot_dim;               /* 2 * ceil(d / 2) for d = int(head_dim * partial_rotary_factor), as transformers */
+    float *inv_freq;           /* rot_dim / 2 entries, 1 / theta^(2i / d) before scaling */
     float attention_factor;    /* scales cos and sin (YaRN-style types); 1 otherwise */
 } cb_rope;
 

@@ -6,8 +6,8 @@ slot, submit, events → text), ``scheduler`` (KV slots + bounded FIFO queue), `
 restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing), ``hangup`` (noticing a
 client's disconnect), ``crosssite`` (Host, Origin and content-type rules), ``connections`` (header deadline,
 connection caps, descriptor exhaustion), ``prompt_bound`` (bytes per token, to refuse before tokenizing),
-``metrics`` (Prometheus text), ``auth`` (API key), ``codec`` (tokenizer + chat template),
-``openai_routes`` / ``anthropic_routes`` (the two dialects).
+``metrics`` (Prometheus text), ``access_log`` (a line per request), ``auth`` (API key), ``codec`` (tokenizer +
+chat template), ``openai_routes`` / ``anthropic_routes`` (the two dialects).
 """
 
 from __future__ import annotations

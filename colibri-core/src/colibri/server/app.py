@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import anthropic_routes, openai_routes
+from .access_log import AccessLog, note
 from .auth import check_key
 from .config import ServerConfig
 from .connections import install_fd_exhaustion_log
@@ -83,6 +84,7 @@ def _endpoint(route: str, handler: Callable[[Request], Awaitable[Any]]):
 
     async def endpoint(request: Request):
         metrics: Metrics = request.app.state.metrics
+        note(route=route)
         try:
             response = await handler(request)
         except APIError as error:
@@ -225,7 +227,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         finally:
             await host.close()
 
-    middleware = []
+    middleware = [Middleware(AccessLog, metrics=metrics)]
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from ..detok import IncrementalDetokenizer
 from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
+from .access_log import note
 from .engine_host import EngineHost
 from .errors import APIError, bad_request
 from .hangup import HangUpWatch
@@ -222,6 +223,7 @@ class GenerationRun:
             # Tokenized under admission: at most one prompt per slot is in the tokenizer at any time. The thread
             # cannot be interrupted, so a hang-up meanwhile is acted on once it returns.
             await asyncio.to_thread(self.prepare)
+            note(prompt_tokens=len(self.prompt_ids), completion_tokens=0)
             if self.hangup.hung_up:
                 raise self._gone_before_submit()
             self._engine = await self._unless_hung_up(self.s.host.engine(self.s.queue_timeout))
@@ -289,9 +291,12 @@ class GenerationRun:
     def _pump(self, loop: asyncio.AbstractEventLoop, request: Any, lease: Lease) -> None:
         """Thread: move the engine's events onto the loop; release the slot once the engine is done with it."""
         put = self._events.put_nowait
+        clock = self.s.metrics.token_clock(self._started_at)
         try:
             for event in request:
-                if event.get("ev") == "done":
+                if event.get("ev") == "token":
+                    clock.token()
+                elif event.get("ev") == "done":
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
                 loop.call_soon_threadsafe(put, ("event", event))
         except EngineRequestError as exc:
@@ -347,6 +352,7 @@ class GenerationRun:
                 yield KeepAlive()
             elif ev == "token":
                 generated += 1
+                note(completion_tokens=generated)
                 text = stops.feed(decoder.push(int(payload["tok"])))
                 if text:
                     yield Delta(text)
@@ -367,6 +373,7 @@ class GenerationRun:
                 prefilled = int(payload.get("prefilled_tokens", prompt_tokens - reused))
                 usage = Usage(prompt_tokens, int(payload.get("generated_tokens", generated)),
                               max(0, prompt_tokens - prefilled))
+                note(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
                 self.s.metrics.request_finished(time.monotonic() - self._started_at)
                 reason = "length" if payload.get("reason") == "length" else "stop"
                 if stops.matched is not None:

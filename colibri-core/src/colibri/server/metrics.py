@@ -1,18 +1,32 @@
-"""Counters for ``GET /metrics`` in the Prometheus text exposition format (no client library needed).
+"""``GET /metrics`` in Prometheus' text exposition format, written by ``prometheus_client``.
 
 Token and expert-cache figures come from the engine's ``done`` events (its own truth, including sequences a
-client abandoned); request counts and latencies from the routes. Gauges (queue depth, slots in use, engine up)
-are read at scrape time.
+client abandoned); request counts from the routes. Gauges (queue depth, slots in use, engine up) are read at
+scrape time. Latency histograms: time to first token and the time between consecutive tokens (both stamped where
+the engine's events arrive, so a slow client does not skew them), and each HTTP request's duration by route
+(stamped by the access log, so a streamed response counts until its last byte).
+
+The totals are kept here (they fold several fields of one event under one lock) and exposed through a custom
+collector, which keeps every existing metric name exactly; each ``Metrics`` has its own registry, so two apps
+in one process never share a series.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 PREFIX = "colibri_"
+# Seconds. A streamed MoE prefill can take minutes; a decode step on a cold cache, seconds.
+FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
@@ -37,6 +51,24 @@ class Metrics:
         self.last_decode_tps = 0.0
         self.request_seconds = 0.0
         self.rss_bytes = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "from receiving a generation request to its first token",
+            buckets=FIRST_TOKEN_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            PREFIX + "time_per_output_token_seconds", "time between consecutive generated tokens of one request",
+            buckets=TOKEN_GAP_BUCKETS, registry=self.registry)
+        self.request_duration = Histogram(
+            PREFIX + "request_duration_seconds", "HTTP request duration until the response's last byte, by route",
+            ["route"], buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.registry.register(_Totals(self))
+
+    def token_clock(self, started: float) -> TokenClock:
+        """A per-request clock that observes the first token's latency from ``started``, then each gap."""
+        return TokenClock(self, started)
+
+    def observe_request(self, route: str, seconds: float) -> None:
+        self.request_duration.labels(route).observe(seconds)
 
     def count_response(self, route: str, status: int) -> None:
         with self._lock:
@@ -87,56 +119,93 @@ class Metrics:
 
     def render(self, gauges: Mapping[str, tuple[str, float]]) -> str:
         """The exposition text; ``gauges`` maps a name to (help, value) read at scrape time."""
-        lines: list[str] = []
+        return generate_latest(_Scrape(self.registry, gauges)).decode("utf-8")
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {PREFIX}{name} {help_text}")
-            lines.append(f"# TYPE {PREFIX}{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{PREFIX}{name}{labels} {_number(value)}")
+    def families(self) -> Iterator[Metric]:
+        """The totals as metric families (what the custom collector yields)."""
+        def family(kind, name: str, help_text: str, labels: tuple[str, ...] = (), samples=()) -> Metric:
+            metric = kind(PREFIX + name, help_text, labels=list(labels))
+            for label_values, value in samples:
+                metric.add_metric(list(label_values), value)
+            return metric
+
+        def counter(name, help_text, value):
+            return family(CounterMetricFamily, name, help_text, samples=[((), value)])
+
+        def gauge(name, help_text, value):
+            return family(GaugeMetricFamily, name, help_text, samples=[((), value)])
 
         with self._lock:
-            metric("requests_total", "counter", "HTTP responses by route and status code",
-                   [(f'{{route="{r}",code="{c}"}}', n) for (r, c), n in sorted(self.requests.items())])
-            metric("generations_started_total", "counter", "generations submitted to the engine",
-                   [("", self.started)])
-            metric("generations_completed_total", "counter", "generations that ran to their end",
-                   [("", self.finished)])
-            metric("generations_failed_total", "counter", "generations that ended early, by reason",
-                   [(f'{{reason="{r}"}}', n) for r, n in sorted(self.failures.items())])
-            metric("rejected_total", "counter", "requests refused before generation, by reason",
-                   [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejections.items())])
-            metric("prompt_tokens_total", "counter", "prompt tokens of finished sequences", [("", self.prompt_tokens)])
-            metric("prefilled_tokens_total", "counter",
-                   "prompt tokens actually computed (the rest came from a slot's cached prefix)",
-                   [("", self.prefilled_tokens)])
-            metric("generated_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)])
-            metric("prefill_tokens_per_second", "gauge", "prefill speed of the latest sequence",
-                   [("", self.last_prefill_tps)])
-            metric("decode_tokens_per_second", "gauge", "decode speed of the latest sequence",
-                   [("", self.last_decode_tps)])
-            avg_decode = self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
-            metric("decode_tokens_per_second_average", "gauge", "generated tokens over decode time, all sequences",
-                   [("", avg_decode)])
-            metric("expert_cache_hits_total", "counter", "routed-expert cache hits", [("", self.expert_hits)])
-            metric("expert_cache_misses_total", "counter", "routed-expert cache misses", [("", self.expert_misses)])
             lookups = self.expert_hits + self.expert_misses
-            metric("expert_cache_hit_rate", "gauge", "expert cache hits over lookups, all sequences",
-                   [("", self.expert_hits / lookups if lookups else 0.0)])
-            metric("expert_bytes_read_total", "counter", "bytes of routed experts read from disk",
-                   [("", self.bytes_read)])
-            metric("expert_reads_total", "counter", "expert read operations", [("", self.reads)])
-            metric("engine_rss_bytes", "gauge", "engine resident memory at the latest sequence end",
-                   [("", self.rss_bytes)])
-        for name, (help_text, value) in gauges.items():
-            metric(name, "gauge", help_text, [("", value)])
-        return "\n".join(lines) + "\n"
+            avg_decode = self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+            out = [
+                family(CounterMetricFamily, "requests_total", "HTTP responses by route and status code",
+                       ("route", "code"), [((r, str(c)), n) for (r, c), n in sorted(self.requests.items())]),
+                counter("generations_started_total", "generations submitted to the engine", self.started),
+                counter("generations_completed_total", "generations that ran to their end", self.finished),
+                family(CounterMetricFamily, "generations_failed_total", "generations that ended early, by reason",
+                       ("reason",), [((r,), n) for r, n in sorted(self.failures.items())]),
+                family(CounterMetricFamily, "rejected_total", "requests refused before generation, by reason",
+                       ("reason",), [((r,), n) for r, n in sorted(self.rejections.items())]),
+                counter("prompt_tokens_total", "prompt tokens of finished sequences", self.prompt_tokens),
+                counter("prefilled_tokens_total",
+                        "prompt tokens actually computed (the rest came from a slot's cached prefix)",
+                        self.prefilled_tokens),
+                counter("generated_tokens_total", "tokens generated", self.generated_tokens),
+                gauge("prefill_tokens_per_second", "prefill speed of the latest sequence", self.last_prefill_tps),
+                gauge("decode_tokens_per_second", "decode speed of the latest sequence", self.last_decode_tps),
+                gauge("decode_tokens_per_second_average", "generated tokens over decode time, all sequences",
+                      avg_decode),
+                counter("expert_cache_hits_total", "routed-expert cache hits", self.expert_hits),
+                counter("expert_cache_misses_total", "routed-expert cache misses", self.expert_misses),
+                gauge("expert_cache_hit_rate", "expert cache hits over lookups, all sequences",
+                      self.expert_hits / lookups if lookups else 0.0),
+                counter("expert_bytes_read_total", "bytes of routed experts read from disk", self.bytes_read),
+                counter("expert_reads_total", "expert read operations", self.reads),
+                gauge("engine_rss_bytes", "engine resident memory at the latest sequence end", self.rss_bytes),
+            ]
+        return iter(out)
 
 
-def _number(value: float) -> str:
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+class TokenClock:
+    """One request's token timing: the first token's latency from the request's start, then each token's gap
+    to the one before. Called from the thread that reads the engine's events (the histograms are thread-safe)."""
+
+    def __init__(self, metrics: Metrics, started: float):
+        self.metrics = metrics
+        self.started = started
+        self.last: float | None = None
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.started)
+        else:
+            self.metrics.time_per_output_token.observe(now - self.last)
+        self.last = now
+
+
+class _Totals:
+    """The custom collector over :class:`Metrics`' totals."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self.metrics.families()
+
+
+class _Scrape:
+    """One scrape: the registry's families, then the gauges read for it."""
+
+    def __init__(self, registry: CollectorRegistry, gauges: dict[str, tuple[str, float]]):
+        self.registry = registry
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+        for name, (help_text, value) in self.gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, help_text, value=value)
 
 
 GaugeSource = Callable[[], dict[str, tuple[str, float]]]

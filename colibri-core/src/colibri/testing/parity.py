@@ -23,17 +23,18 @@ PAD = 1                 # the tiny tokenizers' pad id: transformers masks it out
 CACHE_SIZES = (1, 2, 0)  # slots per MoE layer: thrashing, partial, every expert
 
 
-def reference_run(model: Any, prompt: list[int], n: int = GREEDY_TOKENS, pad: int = PAD):
+def reference_run(model: Any, prompt: list[int], n: int = GREEDY_TOKENS, pad: int = PAD, use_cache: bool = True):
     """transformers' prompt logits, greedy continuation of ``n`` tokens, and the smallest top-1/top-2 margin
-    along it."""
+    along it. ``use_cache=False`` for models whose cache transformers cannot build (e.g. qwen3_next with every
+    layer linear)."""
     import torch
 
     ids = torch.tensor([prompt])
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits[0]
+        logits = model(ids, attention_mask=mask, use_cache=use_cache).logits[0]
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=pad)
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=pad, use_cache=use_cache)
     top2 = torch.cat(out.logits, 0).topk(2, dim=-1).values
     return logits, out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
 
@@ -45,14 +46,14 @@ def seeded_prompt(seed: int, vocab: int = 512, length: int = PROMPT_TOKENS) -> l
 
 
 def pick_prompt(model: Any, vocab: int = 512, length: int = PROMPT_TOKENS, n: int = GREEDY_TOKENS,
-                tries: int = 12):
+                tries: int = 12, use_cache: bool = True):
     """The first seeded prompt whose reference continuation has no near-tie (chosen from transformers alone), with
     its reference logits and tokens."""
     import pytest
 
     for seed in range(tries):
         prompt = seeded_prompt(seed, vocab, length)
-        logits, tokens, margin = reference_run(model, prompt, n)
+        logits, tokens, margin = reference_run(model, prompt, n, use_cache=use_cache)
         if margin >= MIN_MARGIN:
             return prompt, logits, tokens
     pytest.fail(f"no prompt of {tries} tried has a top-1/top-2 margin >= {MIN_MARGIN} over {n} greedy tokens")

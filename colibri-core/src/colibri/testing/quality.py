@@ -105,6 +105,7 @@ class ContainerQuality:
     report: QualityReport           # the container against the f32 engine
     flipped_margin_max: float       # largest f32 top-1 minus top-2 logit among positions whose argmax flipped
     near_ties: float                # fraction of positions whose f32 top-1/top-2 margin is below 0.05
+    conversion: object = None       # the ConvertResult (its out directory, per-tensor scheme fallbacks)
 
 
 def measure_container_quality(kind: str, root: Path, experts: str, dense: str, **overrides) -> ContainerQuality:
@@ -124,13 +125,13 @@ def measure_conversion(source: Path, root: Path, experts: str, dense: str) -> Co
 
     ids, ref = _reference(source)
     out = root / f"{source.name}-{experts}-{dense}"
-    convert(resolve_model(str(source)), out, experts=experts, dense=dense)
+    converted = convert(resolve_model(str(source)), out, experts=experts, dense=dense)
     cand = _logits(resolve_model(str(out)), ids)
     top2 = np.sort(ref, axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
     flipped = ref.argmax(-1) != cand.argmax(-1)
     return ContainerQuality(compare(ref, cand, ids[1:]), float(margin[flipped].max()) if flipped.any() else 0.0,
-                            float((margin < 0.05).mean()))
+                            float((margin < 0.05).mean()), converted)
 
 
 def check_container_quality(kind: str, root: Path, experts: str, dense: str, min_top1: float, max_kl: float,
