@@ -198,7 +198,7 @@ class _Totals:
 class _Scrape:
     """One scrape: the registry's families, then the gauges read for it."""
 
-    def __init__(self, registry: CollectorRegistry, gauges: dict[str, tuple[str, float]]):
+    def __init__(self, registry: CollectorRegistry, gauges: Mapping[str, tuple[str, float]]):
         self.registry = registry
         self.gauges = gauges
 
