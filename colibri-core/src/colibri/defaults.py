@@ -56,3 +56,22 @@ def load_tokenizer(model: ResolvedModel) -> Any:
     from .tokenizer import load_tokenizer_dir
 
     return load_tokenizer_dir(model.path, model.config)
+
+
+@hookimpl(trylast=True)
+def render_prompt(model: ResolvedModel, messages: Any, tools: Any, options: Any) -> str | None:
+    from .prompt import render_conversation
+
+    tok = _tokenizers.get((model.path, model.family))
+    if tok is None:
+        from . import plugins
+
+        tok = plugins.family_hook(model.family, "load_tokenizer")(model=model)
+        _tokenizers[(model.path, model.family)] = tok
+    if tok is None or not tok.has_chat_template:
+        return None
+    return render_conversation(tok, messages, tools, options)
+
+
+# Loading a real tokenizer takes a good part of a second: a server renders every request, so keep the last few.
+_tokenizers: dict[tuple[Path, str], Any] = {}
