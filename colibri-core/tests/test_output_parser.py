@@ -93,3 +93,15 @@ def test_reasoning_open_in_the_prompt():
     parser = OutputParser(syntax).begin(in_reasoning=True)
     assert merge_events(parser.feed("a</thi") + parser.feed("nk>b") + parser.finish()) == [
         TextEvent(REASONING, "a"), TextEvent(CONTENT, "b")]
+    # a model that opens the block the prompt already opened: the second <think> is not reasoning text
+    parser = OutputParser(syntax).begin(in_reasoning=True)
+    assert merge_events(parser.feed("\n<thi") + parser.feed("nk>\na <think> b</think>c") + parser.finish()) == [
+        TextEvent(REASONING, "a <think> b"), TextEvent(CONTENT, "c")]
+
+
+def test_a_reply_without_markers_is_unchanged():
+    text = "\n\n  Plain text, a < b, <b>bold</b>, ends in spaces  \n"
+    for name in FAMILIES:
+        parser = family_parser(name).begin(TOOLS)
+        events = [e for chunk in text for e in parser.feed(chunk)] + parser.finish()
+        assert collect(events).content == text

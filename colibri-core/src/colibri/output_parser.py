@@ -178,7 +178,9 @@ class OutputParser:
         self._pending = ""
         self._state = _State()
         self._calls = 0
-        self._segment_empty = True     # nothing shown yet in the current channel segment (leading newlines drop)
+        # nothing shown yet in a segment that follows a marker (its leading newlines are the template's layout,
+        # not text); the reply's opening text is passed as it is, so a reply without markers is left unchanged
+        self._segment_empty = False
         self._held_space = ""          # trailing whitespace of the content, shown only when more text follows
 
     @property
@@ -189,7 +191,7 @@ class OutputParser:
         """Set the request's context before feeding: its tools, and whether the prompt left reasoning open."""
         self.schemas = ToolSchemas(tools)
         if in_reasoning and self.syntax.reasoning_close:
-            self._state.channel = REASONING
+            self._state.channel, self._segment_empty = REASONING, True
         return self
 
     def without_tools(self) -> OutputParser:
@@ -229,7 +231,10 @@ class OutputParser:
         if state.section is not None:
             return [(state.section.close, "close")]
         if state.channel == REASONING:
-            return [(syntax.reasoning_close, "end_reasoning")]
+            wanted = [(syntax.reasoning_close, "end_reasoning")]
+            if self._segment_empty:     # the prompt opened the block and the model opens it again: not text
+                wanted.append((syntax.reasoning_open, "reopen_reasoning"))
+            return wanted
         wanted: list[tuple[str, Any]] = [(s.open, s) for s in syntax.tool_sections]
         if syntax.reasoning_open:
             wanted.append((syntax.reasoning_open, "start_reasoning"))
@@ -258,6 +263,9 @@ class OutputParser:
         elif action == "end_reasoning":
             self._emit(out, before)
             state.channel, self._segment_empty = CONTENT, True
+        elif action == "reopen_reasoning":
+            # dropped only where it opens the block; after reasoning text it is text itself
+            self._emit(out, before if not before.strip("\n") else before + marker)
         elif action == "start_reasoning":
             self._emit(out, before)
             self._held_space = ""          # whitespace before a reasoning block is not part of the answer

@@ -164,7 +164,7 @@ def serve_command(
 
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
-    codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"))
+    codec = TokenizerCodec(family_answer(resolved, "load_tokenizer"), model=resolved)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     sock = bind_socket(host, port)
