@@ -188,3 +188,76 @@ def test_tool_choice_none_returns_the_call_as_text(served):
     reply = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="none",
                                            temperature=0, extra_body=thinking_options(family, sample))
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
+
+
+def test_readme_tool_example_runs(served):
+    family, server, _ = served
+    if family.name != "glm":
+        pytest.skip("one family is enough for the README's snippet")
+    import contextlib
+    import io
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "tool_calls" in block)
+    force(server, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>")
+    ForcingEngine.prompts.clear()
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(snippet, "README.md", "exec"), {"client": client})  # noqa: S102 - the README's own snippet
+    assert len(ForcingEngine.prompts) == 2
+    second = server.codec.decode(ForcingEngine.prompts[1])
+    assert "<arg_value>Paris</arg_value>" in second and '{"temp_c": 21}' in second
+
+
+def test_marker_tokens_that_are_special_still_reach_the_parser(tmp_path):
+    """Some releases make a tool-call marker a special token: decoding keeps those, and only those."""
+    pytest.importorskip("colibri_qwen")
+    from tokenizers import Tokenizer
+
+    from colibri.testing.tiny import train_tokenizer
+
+    train_tokenizer(tmp_path, "qwen")
+    (tmp_path / "chat_template.jinja").write_text(FAMILIES["qwen"].template, encoding="utf-8")
+    backend = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_special_tokens(["<tool_call>", "</tool_call>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    plain = TokenizerCodec.from_model_dir(tmp_path)
+    codec = TokenizerCodec(plain.tokenizer, ResolvedModel(tmp_path, "qwen", "qwen3_next", {}))
+    ids = codec.encode("<tool_call>{}</tool_call><|im_end|>", add_special_tokens=False)
+    assert plain.decode(ids) == "{}"
+    assert codec.decode(ids) == "<tool_call>{}</tool_call>"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "search", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": USER + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": USER + [{"role": "user", "content": "x", "tool_calls": [{}]}]}, "messages[1].tool_calls"),
+    ({"chat_template_kwargs": {"messages": []}}, "messages"),
+    ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
+    ({"functions": [{"name": "search"}]}, "functions"),
+])
+def test_bad_tool_fields_are_400s_naming_the_field(served, body, param):
+    import httpx
+
+    _, server, _ = served
+    r = httpx.post(server.base + "/v1/chat/completions", json={"model": "m", "messages": USER, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param if param != "messages" else "'messages'" in error["message"]
+
+
+def test_anthropic_thinking_needs_a_thinking_switch(served):
+    family, server, _ = served
+    client = anthropic.Anthropic(base_url=server.base, api_key="x", max_retries=0)
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    if family.thinking_switch:
+        force(server, "</think>ok" if family.name in ("qwen", "deepseek-v4") else "ok")
+        assert client.messages.create(model="m", max_tokens=64, messages=USER, thinking=thinking).content
+    else:
+        with pytest.raises(anthropic.BadRequestError, match="thinking switch"):
+            client.messages.create(model="m", max_tokens=64, messages=USER, thinking=thinking)
