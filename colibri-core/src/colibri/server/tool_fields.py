@@ -46,28 +46,35 @@ def _plain_json(value: Any, where: str) -> Any:
     return value
 
 
+def _objects(value: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """An array of objects, each with the path that names it in an error."""
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be an array, not {_json_type(value)}", param=where, code="invalid_type")
+    return [(f"{where}[{i}]", _object(item, f"{where}[{i}]")) for i, item in enumerate(value)]
+
+
+def _function(source: dict[str, Any], where: str, schema_key: str) -> dict[str, Any]:
+    """A tool's function in OpenAI's shape, from an OpenAI ``function`` or an Anthropic tool."""
+    entry: dict[str, Any] = {"name": _name(source.get("name"), f"{where}.name")}
+    if source.get("description") is not None:
+        entry["description"] = text_field(source["description"], f"{where}.description")
+    if source.get(schema_key) is not None or schema_key == "input_schema":
+        entry["parameters"] = _plain_json(_object(source.get(schema_key), f"{where}.{schema_key}"),
+                                          f"{where}.{schema_key}")
+    return {"type": "function", "function": entry}
+
+
 def openai_tools(data: dict[str, Any], field: str = "tools") -> list[dict[str, Any]] | None:
     """``tools``: function tools only, each with a name and (optionally) a JSON-schema ``parameters`` object."""
     tools = data.get(field)
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise bad_request(f"'{field}' must be an array, not {_json_type(tools)}", param=field, code="invalid_type")
     out = []
-    for i, tool in enumerate(tools):
-        where = f"{field}[{i}]"
-        tool = _object(tool, where)
+    for where, tool in _objects(tools, field):
         if tool.get("type") != "function":
             raise bad_request(f"'{where}.type' is {tool.get('type')!r}; only 'function' tools are supported",
                               param=f"{where}.type", code="invalid_value")
-        function = _object(tool.get("function"), f"{where}.function")
-        entry: dict[str, Any] = {"name": _name(function.get("name"), f"{where}.function.name")}
-        if function.get("description") is not None:
-            entry["description"] = text_field(function["description"], f"{where}.function.description")
-        if function.get("parameters") is not None:
-            entry["parameters"] = _plain_json(_object(function["parameters"], f"{where}.function.parameters"),
-                                              f"{where}.function.parameters")
-        out.append({"type": "function", "function": entry})
+        out.append(_function(_object(tool.get("function"), f"{where}.function"), f"{where}.function", "parameters"))
     return out or None
 
 
@@ -92,12 +99,8 @@ def openai_tool_choice(data: dict[str, Any]) -> str:
 def openai_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls``, ``arguments`` parsed from its JSON text into an object (templates
     iterate over it, as vLLM passes it)."""
-    if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be an array, not {_json_type(value)}", param=where, code="invalid_type")
     calls = []
-    for i, call in enumerate(value):
-        at = f"{where}[{i}]"
-        call = _object(call, at)
+    for i, (at, call) in enumerate(_objects(value, where)):
         function = _object(call.get("function"), f"{at}.function")
         raw = function.get("arguments", "{}")
         arguments = raw
@@ -136,21 +139,12 @@ def anthropic_tools(data: dict[str, Any]) -> list[dict[str, Any]] | None:
     tools = data.get("tools")
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise bad_request(f"'tools' must be an array, not {_json_type(tools)}", param="tools")
     out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        tool = _object(tool, where)
+    for where, tool in _objects(tools, "tools"):
         if tool.get("type") not in (None, "custom"):
             raise bad_request(f"'{where}.type' is {tool.get('type')!r}; only client tools (a name and an "
                               f"input_schema) are supported", param=f"{where}.type")
-        entry: dict[str, Any] = {"name": _name(tool.get("name"), f"{where}.name")}
-        if tool.get("description") is not None:
-            entry["description"] = text_field(tool["description"], f"{where}.description")
-        entry["parameters"] = _plain_json(_object(tool.get("input_schema"), f"{where}.input_schema"),
-                                          f"{where}.input_schema")
-        out.append({"type": "function", "function": entry})
+        out.append(_function(tool, where, "input_schema"))
     return out or None
 
 
