@@ -240,6 +240,7 @@ def test_marker_tokens_that_are_special_still_reach_the_parser(tmp_path):
     ({"chat_template_kwargs": {"messages": []}}, "messages"),
     ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
     ({"functions": [{"name": "search"}]}, "functions"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])
 def test_bad_tool_fields_are_400s_naming_the_field(served, body, param):
     import httpx

@@ -67,6 +67,8 @@ def render_prompt(model: ResolvedModel, messages: Any, tools: Any, options: Any)
         from . import plugins
 
         tok = plugins.family_hook(model.family, "load_tokenizer")(model=model)
+        while len(_tokenizers) >= _KEEP_TOKENIZERS:
+            _tokenizers.pop(next(iter(_tokenizers)))
         _tokenizers[(model.path, model.family)] = tok
     if tok is None or not tok.has_chat_template:
         return None
@@ -75,3 +77,4 @@ def render_prompt(model: ResolvedModel, messages: Any, tools: Any, options: Any)
 
 # Loading a real tokenizer takes a good part of a second: a server renders every request, so keep the last few.
 _tokenizers: dict[tuple[Path, str], Any] = {}
+_KEEP_TOKENIZERS = 4

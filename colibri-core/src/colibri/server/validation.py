@@ -337,6 +337,8 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
         spec.tool_choice = tool_fields.openai_tool_choice(data)
     spec.parallel_tool_calls = fields.boolean("parallel_tool_calls", True)
     spec.template_kwargs = tool_fields.template_kwargs(data, thinking_switch)
+    _refuse_if_set(fields, "reasoning_effort", "no template levels are mapped yet; turn thinking on or off with "
+                   "chat_template_kwargs")
     fmt = data.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported (no constrained "
