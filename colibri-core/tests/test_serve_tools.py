@@ -262,3 +262,22 @@ def test_anthropic_thinking_needs_a_thinking_switch(served):
     else:
         with pytest.raises(anthropic.BadRequestError, match="thinking switch"):
             client.messages.create(model="m", max_tokens=64, messages=USER, thinking=thinking)
+
+
+def test_thinking_per_request_renders_as_the_template_does(served):
+    family, server, directory = served
+    if not family.thinking_switch:
+        pytest.skip("this template has no thinking switch")
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+    force(server, "</think>ok")
+    prompts = []
+    for on in (True, False):
+        ForcingEngine.prompts.clear()
+        client.chat.completions.create(model="m", messages=USER, temperature=0,
+                                       extra_body={"chat_template_kwargs": {family.thinking_switch: on}})
+        want = hf.apply_chat_template(USER, tokenize=False, add_generation_prompt=True,
+                                      **{family.thinking_switch: on})
+        assert ForcingEngine.prompts == [server.codec.encode(want, add_special_tokens=False)]
+        prompts.append(want)
+    assert prompts[0] != prompts[1]
