@@ -261,6 +261,22 @@ FAMILIES = {
                + json.dumps(WEATHER[1], ensure_ascii=False) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
                "", "", (WEATHER,)),
         Sample("No tools needed: 2 < 3.", "", "No tools needed: 2 < 3.", ()),
+        # V3.2's DSML (string="false" values are JSON), after reasoning opened in the prompt
+        Sample("Two calls.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+               "<｜DSML｜parameter name=\"city\" string=\"true\">Köln</｜DSML｜parameter>\n"
+               "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+               "<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" string=\"true\">a < b & c"
+               "</｜DSML｜parameter>\n<｜DSML｜parameter name=\"filters\" string=\"false\">"
+               + json.dumps(SEARCH[1]["filters"]) + "</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+               "</｜DSML｜function_calls>", "Two calls.", "", (WEATHER, SEARCH), in_reasoning=True),
+        # V4's DSML envelope
+        Sample("<｜DSML｜tool_calls><｜DSML｜invoke name=\"get_weather\"><｜DSML｜parameter name=\"city\" "
+               "string=\"true\">Köln</｜DSML｜parameter><｜DSML｜parameter name=\"days\" string=\"false\">3"
+               "</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls>", "", "", (WEATHER,)),
+        Sample("<｜DSML｜tool_calls><｜DSML｜invoke name=\"search\"><｜DSML｜parameter name=\"filters\" "
+               "string=\"false\">{oops</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls>", "",
+               "<｜DSML｜tool_calls><｜DSML｜invoke name=\"search\"><｜DSML｜parameter name=\"filters\" "
+               "string=\"false\">{oops</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls>", ()),
     )),
     "kimi": Family("kimi", "colibri_kimi", "kimi_k2", "kimi", KIMI_TEMPLATE, "", (
         Sample("<think>check it</think>I'll look.<|tool_calls_section_begin|><|tool_call_begin|>functions."

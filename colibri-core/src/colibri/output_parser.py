@@ -16,6 +16,7 @@ sequence once adjacent text events of one channel are joined (:func:`merge_event
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -136,6 +137,18 @@ def delimited(body: str, begin: str, end: str) -> list[str] | None:
             return None
         pieces.append(piece)
     return pieces
+
+
+def consecutive(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
+    """The matches of ``pattern`` written one after another over the whole of ``text`` (whitespace between and
+    after is allowed); ``None`` when anything else stands between them."""
+    found, at = [], 0
+    for match in pattern.finditer(text):
+        if text[at:match.start()].strip():
+            return None
+        found.append(match)
+        at = match.end()
+    return None if text[at:].strip() else found
 
 
 def repeated(begin: str, end: str, one: Callable[[str], ToolCall | None]) -> SectionDecoder:

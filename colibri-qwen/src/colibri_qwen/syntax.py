@@ -12,28 +12,25 @@ import json
 import re
 
 from colibri.output_parser import (
-    OutputSyntax, ToolCall, ToolSchemas, ToolSection, argument_value, dump_arguments, json_arguments,
+    OutputSyntax, ToolCall, ToolSchemas, ToolSection, argument_value, consecutive, dump_arguments,
+    json_arguments,
 )
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.S)
-_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
 def _xml_call(text: str, schemas: ToolSchemas) -> list[ToolCall] | None:
     match = _FUNCTION.fullmatch(text)
     if match is None:
         return None
-    name, body = match.group(1).strip(), match.group(2)
-    args, at = {}, 0
-    for param in _PARAMETER.finditer(body):
-        if param.start() != at:
-            return None
-        key = param.group(1).strip()
-        value = param.group(2).removeprefix("\n").removesuffix("\n")
-        args[key] = argument_value(value, name, key, schemas)
-        at = param.end()
-    if body[at:].strip():
+    name, params = match.group(1).strip(), consecutive(_PARAMETER, match.group(2))
+    if params is None:
         return None
+    args = {}
+    for param in params:
+        key = param.group(1).strip()
+        args[key] = argument_value(param.group(2).removeprefix("\n").removesuffix("\n"), name, key, schemas)
     return [ToolCall(name, dump_arguments(args))]
 
 
