@@ -196,10 +196,6 @@ class OutputParser:
         self._segment_empty = False
         self._held_space = ""          # trailing whitespace of the content, shown only when more text follows
 
-    @property
-    def tool_calls_seen(self) -> int:
-        return self._calls
-
     def begin(self, tools: Sequence[Mapping[str, Any]] | None = None, in_reasoning: bool = False) -> OutputParser:
         """Set the request's context before feeding: its tools, and whether the prompt left reasoning open."""
         self.schemas = ToolSchemas(tools)
