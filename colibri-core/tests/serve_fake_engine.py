@@ -75,6 +75,7 @@ class Sequence:
         self.temperature = float(msg.get("temperature", 0))
         self.seed = int(msg.get("seed", 0))
         self.generated = 0
+        self.forced = [int(t) for t in msg.get("forced") or []]   # teacher forcing: these are the next tokens
 
 
 def main():
@@ -160,7 +161,8 @@ def main():
             if s.generated >= s.max_tokens:
                 finish(s, "length")
                 continue
-            tok = next_token(s.seq, opts, s.stop, s.temperature, s.seed)
+            tok = s.forced[s.generated] if s.generated < len(s.forced) else next_token(
+                s.seq, opts, s.stop, s.temperature, s.seed)
             s.seq.append(tok)
             s.generated += 1
             generated_total += 1

@@ -128,9 +128,9 @@ def start_server(model_dir: Path, *, ctx: int = 256, slots: int = 1, max_queue: 
                  queue_timeout: float = 30.0, api_key: str | None = None, eos_every: int = 0,
                  env: dict[str, str] | None = None, max_body: int = 1024 * 1024,
                  cors: tuple[str, ...] = (), wait: bool = True, factory=None, on_fatal=None,
-                 **settings) -> RunningServer:
+                 codec: TokenizerCodec | None = None, **settings) -> RunningServer:
     """``settings``: any other :class:`ServerConfig` field (allowed_hosts, header_timeout, ...)."""
-    codec = TokenizerCodec.from_model_dir(model_dir)
+    codec = codec or TokenizerCodec.from_model_dir(model_dir)
     argv = fake_argv(model_dir, ctx, slots, codec.vocab_size, eos_every)
     engines: list = []
 

@@ -10,12 +10,14 @@ The engine binary has no default hook implementation: when a family ships none (
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from . import hookimpl
 from .checkpoint import default_shard_set
 from .convert.spec import spec_from_layout
 from .planner import plan
+from .prompt import render_conversation
 from .records import (
     ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
 )
@@ -29,6 +31,7 @@ class CoreDefaults:
 
     def __init__(self, ask: HookAsker) -> None:
         self._ask = ask
+        self._tokenizers: dict[tuple[Path, str], Any] = {}
 
     @hookimpl(trylast=True)
     def weight_files(self, model: ResolvedModel) -> tuple[ShardSet, ...]:
@@ -52,3 +55,19 @@ class CoreDefaults:
     @hookimpl(trylast=True)
     def load_tokenizer(self, model: ResolvedModel) -> Any:
         return load_tokenizer_dir(model.path, model.config)
+
+    @hookimpl(trylast=True)
+    def render_prompt(self, model: ResolvedModel, messages: Any, tools: Any, options: Any) -> str | None:
+        tok = self._tokenizers.get((model.path, model.family))
+        if tok is None:
+            tok = self._ask(model.family, "load_tokenizer")(model=model)
+            while len(self._tokenizers) >= KEEP_TOKENIZERS:
+                self._tokenizers.pop(next(iter(self._tokenizers)))
+            self._tokenizers[(model.path, model.family)] = tok
+        if tok is None or not tok.has_chat_template:
+            return None
+        return render_conversation(tok, messages, tools, options)
+
+
+# Loading a real tokenizer takes a good part of a second: a server renders every request, so keep the last few.
+KEEP_TOKENIZERS = 4

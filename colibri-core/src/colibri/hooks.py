@@ -9,7 +9,7 @@ documentation, are ``colibri.hookspecs``; ``docs/hooks.md`` describes each for p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Sequence, cast
 
 from . import plugins
 from .errors import EngineError, FamilyError
@@ -72,6 +72,18 @@ def load_tokenizer(model: ResolvedModel) -> Any:
     """A :class:`colibri.tokenizer.TextTokenizer` (typed ``Any`` so this module does not import the tokenizers
     library)."""
     return plugins.family_hook(model.family, "load_tokenizer")(model=model)
+
+
+def render_prompt(model: ResolvedModel, messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None, options: Mapping[str, Any]) -> str | None:
+    """The prompt text of a conversation (the family's own encoder, else the checkpoint's chat template)."""
+    return plugins.family_hook(model.family, "render_prompt")(model=model, messages=messages, tools=tools,
+                                                              options=options)
+
+
+def parse_output(model: ResolvedModel) -> Any:
+    """A fresh :class:`colibri.output_parser.OutputParser` for one reply, or ``None`` (plain text)."""
+    return plugins.family_hook(model.family, "parse_output")(model=model)
 
 
 def describe_family(family: str) -> FamilyDescriptor | None:

@@ -21,7 +21,7 @@ Every hook is documented with its signature in ``docs/hooks.md``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pluggy
 
@@ -199,6 +199,39 @@ def load_tokenizer(model: ResolvedModel) -> Any:
 
     :param model: the resolved model.
     :returns: a :class:`colibri.tokenizer.TextTokenizer`.
+    """
+
+
+@hookspec(firstresult=True)
+def render_prompt(model: ResolvedModel, messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None, options: Mapping[str, Any]) -> str | None:
+    """Render a conversation into the prompt text the model continues (its special tokens spelled out).
+
+    firstresult: core's default renders the checkpoint's own chat template exactly as transformers'
+    ``apply_chat_template`` does, with ``tools``, ``tool`` messages, assistant ``tool_calls`` and any template
+    variable in ``options["template_kwargs"]`` (the thinking switch). A family whose release ships a Python
+    encoder instead of a template answers itself.
+
+    :param model: the resolved model.
+    :param messages: OpenAI-shaped messages (``role``, ``content``; assistant ``tool_calls`` with ``arguments``
+        as a mapping; ``tool`` messages with ``tool_call_id``; ``reasoning_content``).
+    :param tools: the tools offered (OpenAI's ``{"type": "function", "function": {...}}``), or ``None``.
+    :param options: ``add_generation_prompt`` (default ``True``), ``template_kwargs`` (a mapping passed to the
+        template), ``template`` (a named template of the checkpoint).
+    :returns: the prompt text, or ``None`` when the model has no way to render a conversation.
+    """
+
+
+@hookspec(firstresult=True)
+def parse_output(model: ResolvedModel) -> Any:
+    """Give a fresh streaming parser for one generation's output: reasoning apart from the answer, tool calls
+    recognized in the family's own syntax, partial markers held back.
+
+    firstresult: the claiming family answers with ``colibri.output_parser.OutputParser(SYNTAX)``, ``SYNTAX`` its
+    table of markers; no core default (``None``: the output is plain answer text and tools are refused).
+
+    :param model: the resolved model.
+    :returns: a :class:`colibri.output_parser.OutputParser`, or ``None``.
     """
 
 

@@ -65,6 +65,23 @@ def thinking_kwargs(tok: TextTokenizer, think: bool | None) -> dict[str, Any]:
     return {switch: think}
 
 
+# Names the renderer itself passes to a template; a request's template variables may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "template"})
+
+
+def render_conversation(tok: TextTokenizer, messages: Any, tools: Any, options: Mapping[str, Any]) -> str:
+    """A conversation rendered with the checkpoint's template, as ``apply_chat_template(messages, tools=tools,
+    add_generation_prompt=..., **template_kwargs)`` renders it."""
+    template_kwargs = dict(options.get("template_kwargs") or {})
+    clash = sorted(RESERVED_TEMPLATE_NAMES.intersection(template_kwargs) | set(tok.special_tokens).intersection(
+        template_kwargs))
+    if clash:
+        raise UsageError(f"template variable {clash[0]!r} cannot be set by a request",
+                         "set only the template's own switches, such as enable_thinking")
+    return tok.render_chat(messages, add_generation_prompt=options.get("add_generation_prompt", True),
+                           template=options.get("template"), tools=tools or None, **template_kwargs)
+
+
 def build_prompt(tok: TextTokenizer, text: str, chat: bool | None,
                  template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
     """Chat mode renders one user turn with the checkpoint's template (the default when it has one)."""

@@ -316,3 +316,12 @@ def load_tokenizer(model: ResolvedModel) -> Any:
     from .tokenizer import load_tiktoken_tokenizer
 
     return load_tiktoken_tokenizer(model.path, model.config)
+
+
+@hookimpl
+def parse_output(model: ResolvedModel) -> Any:
+    from colibri.output_parser import OutputParser
+
+    from .syntax import SYNTAX
+
+    return OutputParser(SYNTAX)

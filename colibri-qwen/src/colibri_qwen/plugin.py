@@ -258,3 +258,12 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
 @hookimpl
 def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
     return EngineEnv(args=engine_hparams(model))
+
+
+@hookimpl
+def parse_output(model: ResolvedModel) -> Any:
+    from colibri.output_parser import OutputParser
+
+    from .syntax import SYNTAX
+
+    return OutputParser(SYNTAX)

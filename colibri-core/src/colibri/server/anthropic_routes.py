@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,23 +11,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .errors import anthropic_error_type
-from .generation import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationRun,
-    KeepAlive,
-    run_to_completion,
-)
+from ..output_parser import REASONING, TextEvent, ToolCallEvent
+from .generation import Failed, Finished, GenerationRun, KeepAlive
 from .hangup import HangUpWatch
+from .replies import ReplyParser, call_id, finish_reason, reply_stream, reply_to_completion
 from .sse import EventStreamResponse, event_frame
 from .validation import parse_messages
 
-STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
-def _stop_reason(finished: Finished) -> str:
-    return "stop_sequence" if finished.stop_sequence is not None else STOP_REASONS.get(finished.reason, "end_turn")
+def _stop_reason(finished: Finished, reply: ReplyParser) -> str:
+    if finished.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(finish_reason(finished, reply), "end_turn")
 
 
 def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, Any]:
@@ -35,56 +33,117 @@ def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, Any
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+def _tool_use(event: ToolCallEvent) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id(event, "toolu_"), "name": event.call.name,
+            "input": json.loads(event.call.arguments)}
+
+
 async def messages(request: Request):
     app = request.app
     data = await app.state.read_json(request)
     spec = parse_messages(data, app.state.config.model_id, app.state.config.kv_slots,
-                          tools_supported=app.state.tools_supported)
+                          tools_supported=app.state.tools_supported,
+                          thinking_switch=getattr(app.state.services.codec, "thinking_switch", None))
     run = GenerationRun(app.state.services, spec, "messages", HangUpWatch(request.receive).start())
     await run.start()
     mid = "msg_" + uuid.uuid4().hex[:24]
     model_id = app.state.config.model_id
+    reply = ReplyParser(run)
     if spec.stream:
-        return EventStreamResponse(_stream(run, mid, model_id), run.hangup)
-    text, finished = await run_to_completion(run)
+        return EventStreamResponse(_stream(run, reply, mid, model_id), run.hangup)
+    parsed, events, finished = await reply_to_completion(run, reply)
+    content: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content or not parsed.tool_calls:
+        content.append({"type": "text", "text": parsed.content})
+    content += [_tool_use(e) for e in events if isinstance(e, ToolCallEvent)]
     u = finished.usage
     return JSONResponse({
-        "id": mid, "type": "message", "role": "assistant", "model": model_id,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": _stop_reason(finished), "stop_sequence": finished.stop_sequence,
+        "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": content,
+        "stop_reason": _stop_reason(finished, reply), "stop_sequence": finished.stop_sequence,
         "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
     })
 
 
-async def _stream(run: GenerationRun, mid: str, model_id: str) -> AsyncIterator[bytes]:
+class _Blocks:
+    """The content blocks of a streamed reply: a new block starts whenever the kind of output changes."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None     # "thinking" or "text" while such a block is open
+
+    def stop(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event_frame("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def start(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self.stop()
+        self.index += 1
+        self.open = block["type"] if block["type"] in ("thinking", "text") else None
+        frames.append(event_frame("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                          "content_block": block}))
+        if self.index == 0:     # Anthropic's own order: message_start, the first block's start, ping
+            frames.append(event_frame("ping", {"type": "ping"}))
+        return frames
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return event_frame("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": delta})
+
+    def text(self, event: TextEvent) -> list[bytes]:
+        kind = "thinking" if event.channel == REASONING else "text"
+        frames = [] if self.open == kind else self.start(
+            {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
+                                                                                           "text": ""})
+        field = "thinking" if kind == "thinking" else "text"
+        return frames + [self.delta({"type": f"{kind}_delta", field: event.text})]
+
+    def tool_use(self, event: ToolCallEvent) -> list[bytes]:
+        block = _tool_use(event)
+        arguments = event.call.arguments
+        frames = self.start({**block, "input": {}})
+        frames.append(self.delta({"type": "input_json_delta", "partial_json": arguments}))
+        frames.append(event_frame("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        return frames
+
+
+async def _stream(run: GenerationRun, reply: ReplyParser, mid: str, model_id: str) -> AsyncIterator[bytes]:
     prompt_tokens = len(run.prompt_ids)
     cached = int(run.accept.get("reused_tokens", 0) or 0)
+    blocks = _Blocks()
     try:
         yield event_frame("message_start", {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached, 0)}})
-        yield event_frame("content_block_start", {"type": "content_block_start", "index": 0,
-                                                  "content_block": {"type": "text", "text": ""}})
-        yield event_frame("ping", {"type": "ping"})
-        async for item in run.stream():
-            if isinstance(item, Delta):
-                yield event_frame("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                          "delta": {"type": "text_delta", "text": item.text}})
+        async for item in reply_stream(run, reply):
+            frames: list[bytes] = []
+            if isinstance(item, TextEvent):
+                frames = blocks.text(item)
+            elif isinstance(item, ToolCallEvent):
+                frames = blocks.tool_use(item)
             elif isinstance(item, KeepAlive):
-                yield event_frame("ping", {"type": "ping"})
+                frames = [event_frame("ping", {"type": "ping"})]
             elif isinstance(item, Finished):
                 u = item.usage
-                yield event_frame("content_block_stop", {"type": "content_block_stop", "index": 0})
-                yield event_frame("message_delta", {
+                if blocks.index < 0:    # an empty reply is still one (empty) text block
+                    frames += blocks.start({"type": "text", "text": ""})
+                frames += blocks.stop()
+                frames.append(event_frame("message_delta", {
                     "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence},
-                    "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)})
-                yield event_frame("message_stop", {"type": "message_stop"})
-                return
+                    "delta": {"stop_reason": _stop_reason(item, reply), "stop_sequence": item.stop_sequence},
+                    "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)}))
+                frames.append(event_frame("message_stop", {"type": "message_stop"}))
             elif isinstance(item, Failed):
                 error = item.error
                 kind = "overloaded_error" if error.status in (429, 503) else anthropic_error_type(error.status)
                 yield event_frame("error", {"type": "error", "error": {"type": kind, "message": error.message}})
+                return
+            for frame in frames:
+                yield frame
+            if isinstance(item, Finished):
                 return
     finally:
         run.close()

@@ -243,6 +243,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
     app.state.metrics = metrics
     app.state.host = host
     app.state.read_json = read_json
-    app.state.tools_supported = tools_supported
+    # a codec built with the resolved model knows whether its family parses tool calls
+    app.state.tools_supported = tools_supported or bool(getattr(codec, "tools_supported", False))
     app.state.started = time.time()
     return app

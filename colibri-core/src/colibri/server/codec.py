@@ -2,6 +2,9 @@
 
 Byte-exact rendering is what makes slot reuse work: each turn re-renders the whole conversation, and only if the
 earlier turns come out identical does the engine find them in the slot's cache.
+
+With the resolved model, prompts come from the family's ``render_prompt`` hook (core's default renders the
+checkpoint's template with tools and tool results) and replies are split by its ``parse_output`` parser.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..prompt import NO_TEMPLATE_FIX
+from .. import hooks
+from ..prompt import NO_TEMPLATE_FIX, render_conversation, thinking_switch
+from ..records import ResolvedModel
 from ..tokenizer import TextTokenizer, load_tokenizer_dir
 from .prompt_bound import PromptBound, prompt_bound
 
@@ -19,22 +24,47 @@ from .prompt_bound import PromptBound, prompt_bound
 class TokenizerCodec:
     """Adapts :class:`colibri.tokenizer.TextTokenizer` to what a generation run needs."""
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, model: ResolvedModel | None = None):
         self.tokenizer = tokenizer
+        self.model = model
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.vocab_size = tokenizer.vocab_size
         self.bound: PromptBound = prompt_bound(tokenizer.backend)
+        self.thinking_switch = next((name for t in tokenizer.templates.values()
+                                     if (name := thinking_switch(t.source))), None)
+        parser = self.output_parser()
+        self.tools_supported = bool(parser is not None and parser.syntax.has_tools and tokenizer.has_chat_template)
+        # Special tokens are not text, except those that spell the family's markers (a tool-call section begin
+        # is a special token in some releases): the parser must see those.
+        markers = set(parser.syntax.markers) if parser is not None else set()
+        added = tokenizer.backend.get_added_tokens_decoder()
+        self._kept = {i for i, t in added.items() if t.special and t.content in markers}
+        self._hidden = {i for i, t in added.items() if t.special and t.content not in markers}
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, config: Mapping[str, Any] | None = None) -> TokenizerCodec:
         return cls(load_tokenizer_dir(model_dir, config))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text of a conversation (its special tokens spelled out), ready for the assistant's turn."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template, so chat requests cannot be rendered",
                               NO_TEMPLATE_FIX)
-        return self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        options = {"add_generation_prompt": True, "template_kwargs": dict(template_kwargs or {})}
+        if self.model is None:
+            return render_conversation(self.tokenizer, messages, tools, options)
+        text = hooks.render_prompt(self.model, messages, tools, options)
+        if text is None:
+            raise ConfigError(f"family {self.model.family} cannot render a conversation for this model",
+                              NO_TEMPLATE_FIX)
+        return text
+
+    def output_parser(self) -> Any:
+        """A fresh parser for one reply (``None``: the reply is plain text)."""
+        if self.model is None:
+            return None
+        return hooks.parse_output(self.model)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -48,4 +78,6 @@ class TokenizerCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         # as coli run streams: special tokens (end-of-turn markers and the like) are not text
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self._kept:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)

@@ -57,7 +57,8 @@ class Codec(Protocol):
     @property
     def bound(self) -> PromptBound: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str: ...
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
@@ -143,6 +144,7 @@ class GenerationRun:
         self.hangup = hangup
         self.prompt_ids: list[int] = []
         self._text = ""                       # the prompt text, between measure() and prepare()
+        self.prompt_tail = ""                 # its end: whether it opened a reasoning block
         self.max_tokens = 0
         self.accept: dict[str, Any] = {}
         self._lease: Lease | None = None
@@ -167,14 +169,21 @@ class GenerationRun:
                 raise self._too_long(f"{len(spec.prompt_ids)} tokens")
             return
         try:
-            self._text = spec.prompt_text if spec.prompt_text is not None else codec.render_chat(spec.messages or [])
+            self._text = spec.prompt_text if spec.prompt_text is not None else self._render(codec)
         except ColibriError as exc:   # e.g. the template refuses the roles' order, or there is no template
             raise bad_request(exc.one_line(), param=self._prompt_param(), code="invalid_prompt") from None
+        self.prompt_tail = self._text[-256:]
         size = len(self._text.encode("utf-8"))
         at_least = codec.bound.min_tokens(size)
         if at_least >= self.s.ctx:
             raise self._too_long(f"{size} bytes, so at least {at_least} tokens (no token of this model covers more "
                                  f"than {codec.bound.bytes_per_token} bytes)")
+
+    def _render(self, codec: Codec) -> str:
+        spec = self.spec
+        if spec.tools is None and not spec.template_kwargs:
+            return codec.render_chat(spec.messages or [])
+        return codec.render_chat(spec.messages or [], tools=spec.tools, template_kwargs=spec.template_kwargs)
 
     def prepare(self) -> None:
         """Under admission (a slot is held): tokenize and size the request; 400 when the prompt leaves no room."""

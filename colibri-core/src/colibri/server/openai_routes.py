@@ -11,16 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .errors import APIError
-from .generation import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationRun,
-    KeepAlive,
-    Usage,
-    run_to_completion,
-)
+from ..output_parser import REASONING, TextEvent, ToolCallEvent
+from .generation import Failed, Finished, GenerationRun, KeepAlive, Usage
 from .hangup import HangUpWatch
+from .replies import ReplyParser, finish_reason, reply_stream, reply_to_completion, tool_call_body
 from .sse import DONE, KEEPALIVE_COMMENT, EventStreamResponse, data_frame
 from .validation import GenerationSpec, parse_chat, parse_completion
 
@@ -51,8 +45,10 @@ async def get_model(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     app = request.app
     data = await app.state.read_json(request)
+    codec = app.state.services.codec
     spec = parse_chat(data, app.state.config.model_id, app.state.config.kv_slots,
-                      tools_supported=app.state.tools_supported)
+                      tools_supported=app.state.tools_supported,
+                      thinking_switch=getattr(codec, "thinking_switch", None))
     return await _generate(request, spec, chat=True)
 
 
@@ -70,35 +66,39 @@ async def _generate(request: Request, spec: GenerationSpec, chat: bool):
     await run.start()   # refusals before this point are plain JSON errors with their status code
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
+    reply = ReplyParser(run)
     if spec.stream:
-        return EventStreamResponse(_stream(run, spec, rid, created, model_id, chat), run.hangup)
-    text, finished = await run_to_completion(run)
+        return EventStreamResponse(_stream(run, reply, spec, rid, created, model_id, chat), run.hangup)
+    parsed, events, finished = await reply_to_completion(run, reply)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "finish_reason": finished.reason, "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            call_ids: dict[int, str] = {}
+            message["tool_calls"] = [tool_call_body(e, call_ids) for e in events if isinstance(e, ToolCallEvent)]
+            message["content"] = parsed.content or None
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished, reply), "logprobs": None}
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [choice], "usage": usage_body(finished.usage)}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finished.reason, "logprobs": None}
+        choice = {"index": 0, "text": parsed.content, "finish_reason": finished.reason, "logprobs": None}
         body = {"id": rid, "object": "text_completion", "created": created, "model": model_id,
                 "choices": [choice], "usage": usage_body(finished.usage)}
     return JSONResponse(body)
 
 
-async def _stream(run: GenerationRun, spec: GenerationSpec, rid: str, created: int, model_id: str,
-                  chat: bool) -> AsyncIterator[bytes]:
+async def _stream(run: GenerationRun, reply: ReplyParser, spec: GenerationSpec, rid: str, created: int,
+                  model_id: str, chat: bool) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    call_ids: dict[int, str] = {}
 
-    def chunk(content: str | None, finish: str | None = None, first: bool = False) -> bytes:
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
         if chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if content is not None:
-                delta["content"] = content
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": 0, "text": content or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish,
+                      "logprobs": None}
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_id,
                                 "choices": [choice]}
         if spec.include_usage:
@@ -107,14 +107,16 @@ async def _stream(run: GenerationRun, spec: GenerationSpec, rid: str, created: i
 
     try:
         if chat:
-            yield chunk("", first=True)
-        async for item in run.stream():
-            if isinstance(item, Delta):
-                yield chunk(item.text)
+            yield chunk({"role": "assistant", "content": ""})
+        async for item in reply_stream(run, reply):
+            if isinstance(item, TextEvent):
+                yield chunk({"reasoning_content" if item.channel == REASONING else "content": item.text})
+            elif isinstance(item, ToolCallEvent):
+                yield chunk({"tool_calls": [tool_call_body(item, call_ids, index=item.index)]})
             elif isinstance(item, KeepAlive):
                 yield KEEPALIVE_COMMENT
             elif isinstance(item, Finished):
-                yield chunk(None if chat else "", finish=item.reason)
+                yield chunk(None if chat else {}, finish=finish_reason(item, reply) if chat else item.reason)
                 if spec.include_usage:
                     yield data_frame({"id": rid, "object": obj, "created": created, "model": model_id,
                                       "choices": [], "usage": usage_body(item.usage)})

@@ -27,7 +27,7 @@ class GenerationSpec:
     """One generation request, whichever API it came from."""
 
     model: str
-    messages: list[dict[str, str]] | None = None   # chat: [{"role", "content"}], content already flattened
+    messages: list[dict[str, Any]] | None = None   # chat, OpenAI-shaped: role, flattened content, tool_calls, ...
     system: str | None = None                      # Anthropic's top-level system prompt
     prompt_text: str | None = None                 # /v1/completions with a string prompt
     prompt_ids: list[int] | None = None            # /v1/completions with token ids
@@ -41,6 +41,10 @@ class GenerationSpec:
     include_usage: bool = False
     user: str | None = None
     cache_slot: int | None = None
+    tools: list[dict[str, Any]] | None = None      # OpenAI-shaped function tools, for the template and the parser
+    tool_choice: str = "auto"                      # "auto" or "none" (forcing a call is refused)
+    parallel_tool_calls: bool = True               # False: only the first call of a reply is returned
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # the template's own variables (thinking)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -263,8 +267,45 @@ def _openai_common(fields: _Fields, spec: GenerationSpec, kv_slots: int) -> None
     _refuse_if_set(fields, "top_logprobs", "the engine does not return log-probabilities", allowed=(0,))
 
 
-def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False
-               ) -> GenerationSpec:
+def _chat_message(message: Any, where: str, tools_supported: bool) -> dict[str, Any]:
+    """One chat message, OpenAI-shaped, as the render_prompt hook takes it."""
+    from . import tool_fields
+
+    if not isinstance(message, dict):
+        raise bad_request(f"'{where}' must be an object, not {_json_type(message)}", param=where,
+                          code="invalid_type")
+    role = message.get("role")
+    roles = CHAT_ROLES + (("tool",) if tools_supported else ())
+    if role not in roles:
+        detail = "tool messages need tool support, which this model's family lacks" if role == "tool" else \
+            f"it must be one of {', '.join(roles)}"
+        raise bad_request(f"'{where}.role' is {role!r}; {detail}", param=f"{where}.role", code="invalid_value")
+    entry: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    if message.get("tool_calls"):
+        if not tools_supported or role != "assistant":
+            why = "only assistant messages carry tool calls" if tools_supported else \
+                "it needs tool support, which this model's family lacks"
+            raise bad_request(f"'{where}.tool_calls': {why}", param=f"{where}.tool_calls",
+                              code="unsupported_parameter")
+        entry["tool_calls"] = tool_fields.openai_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    entry["content"] = _text_content(content, f"{where}.content", ("text",))
+    for name in ("reasoning_content", "reasoning"):
+        if role == "assistant" and message.get(name) is not None:
+            entry["reasoning_content"] = tool_fields.text_field(message[name], f"{where}.{name}")
+            break
+    if role == "tool":
+        if message.get("tool_call_id") is None:
+            raise bad_request(f"'{where}.tool_call_id' is required for a tool message",
+                              param=f"{where}.tool_call_id", code="missing_required_parameter")
+        entry["tool_call_id"] = tool_fields.text_field(message["tool_call_id"], f"{where}.tool_call_id")
+    return entry
+
+
+def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False,
+               thinking_switch: str | None = None) -> GenerationSpec:
     """``POST /v1/chat/completions``."""
     fields = _Fields(data)
     spec = GenerationSpec(model=fields.string("model") or default_model)
@@ -279,32 +320,26 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
                           code="invalid_value")
     spec.messages = []
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"'{where}' must be an object, not {_json_type(message)}", param=where,
-                              code="invalid_type")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            detail = "tool messages need tool support, which this model's family lacks" if role == "tool" else \
-                f"it must be one of {', '.join(CHAT_ROLES)}"
-            raise bad_request(f"'{where}.role' is {role!r}; {detail}", param=f"{where}.role", code="invalid_value")
-        if message.get("tool_calls"):
-            raise bad_request(f"'{where}.tool_calls' needs tool support, which this model's family lacks",
-                              param=f"{where}.tool_calls", code="unsupported_parameter")
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        text = _text_content(content, f"{where}.content", ("text",))
-        spec.messages.append({"role": "system" if role == "developer" else role, "content": text})
+        spec.messages.append(_chat_message(message, f"messages[{i}]", tools_supported))
     _openai_common(fields, spec, kv_slots)
     limit = fields.integer("max_completion_tokens", low=1)
     if limit is None:
         limit = fields.integer("max_tokens", low=1)
     spec.max_tokens = limit
+    from . import tool_fields
+
     if not tools_supported:
         _refuse_if_set(fields, "tools", "this model's family has no tool-call support")
         _refuse_if_set(fields, "functions", "this model's family has no tool-call support")
         _refuse_if_set(fields, "tool_choice", "this model's family has no tool-call support", allowed=("none",))
+    else:
+        _refuse_if_set(fields, "functions", "the deprecated form of 'tools'; send 'tools'")
+        spec.tools = tool_fields.openai_tools(data)
+        spec.tool_choice = tool_fields.openai_tool_choice(data)
+    spec.parallel_tool_calls = fields.boolean("parallel_tool_calls", True)
+    spec.template_kwargs = tool_fields.template_kwargs(data, thinking_switch)
+    _refuse_if_set(fields, "reasoning_effort", "no template levels are mapped yet; turn thinking on or off with "
+                   "chat_template_kwargs")
     fmt = data.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported (no constrained "
@@ -351,9 +386,11 @@ def parse_completion(data: dict[str, Any], default_model: str, kv_slots: int) ->
     return spec
 
 
-def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False
-                   ) -> GenerationSpec:
+def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False,
+                   thinking_switch: str | None = None) -> GenerationSpec:
     """``POST /v1/messages`` (Anthropic Messages)."""
+    from . import tool_fields
+
     fields = _Fields(data)
     spec = GenerationSpec(model=fields.string("model") or default_model)
     limit = fields.integer("max_tokens", low=1)
@@ -380,8 +417,7 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
         if role not in ("user", "assistant"):
             raise bad_request(f"'{where}.role' is {role!r}; it must be 'user' or 'assistant' (the system prompt "
                               f"goes in the top-level 'system' field)", param=f"{where}.role")
-        text = _text_content(message.get("content"), f"{where}.content", ("text",))
-        spec.messages.append({"role": role, "content": text})
+        spec.messages += tool_fields.anthropic_message(message, where, tools_supported)
     if spec.messages[-1]["role"] != "user":
         raise bad_request("the last message must come from the user (continuing a partial assistant turn is not "
                           "supported)", param=f"messages[{len(messages) - 1}].role")
@@ -400,8 +436,12 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
     if not tools_supported:
         _refuse_if_set(fields, "tools", "this model's family has no tool-use support")
         _refuse_if_set(fields, "tool_choice", "this model's family has no tool-use support")
-    thinking = data.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
-        raise bad_request("'thinking' is not supported by this server; remove it", param="thinking")
+    else:
+        spec.tools = tool_fields.anthropic_tools(data)
+        spec.tool_choice = tool_fields.anthropic_tool_choice(data)
+        choice = data.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
+            spec.parallel_tool_calls = False
+    spec.template_kwargs = tool_fields.anthropic_thinking(data, thinking_switch)
     return spec
 

@@ -1,0 +1,27 @@
+"""Kimi K2's output syntax, as its released chat template writes an assistant turn.
+
+Reasoning (K2-Thinking) is ``<think>...</think>``. Calls stand in one section
+``<|tool_calls_section_begin|>...<|tool_calls_section_end|>``, each
+``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>``. The
+``functions.NAME:IDX`` text is the call's id: the template writes it back in the tool result's header, so it is
+returned as the call id unchanged.
+"""
+
+from __future__ import annotations
+
+from colibri.output_parser import OutputSyntax, ToolCall, ToolSection, json_arguments, repeated
+
+ARGUMENT = "<|tool_call_argument_begin|>"
+
+
+def _one(piece: str) -> ToolCall | None:
+    call_id, sep, arguments = piece.partition(ARGUMENT)
+    call_id = call_id.strip()
+    name = call_id.removeprefix("functions.").rpartition(":")[0]
+    decoded = json_arguments(arguments) if sep else None
+    return ToolCall(name, decoded, call_id) if name and decoded is not None else None
+
+
+CALLS = repeated("<|tool_call_begin|>", "<|tool_call_end|>", _one)
+SECTION = ToolSection("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", CALLS)
+SYNTAX = OutputSyntax("<think>", "</think>", (SECTION,))
