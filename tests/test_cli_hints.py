@@ -103,16 +103,16 @@ def test_a_file_problem_keeps_the_files_hint(short_model, tmp_path):
 
 
 def test_an_engine_load_error_is_said_once(short_model, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    bad = with_config(short_model, tmp_path / "bad-shape")
-    tensors = load_file(str(bad / "model.safetensors"))
-    name = next(n for n in tensors if "q_proj" in n)
-    tensors[name] = np.ascontiguousarray(tensors[name][:, :-1])
-    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    # llama3 RoPE whose high-frequency factor does not exceed the low one: only the engine's RoPE block refuses it
+    config = json.loads((short_model / "config.json").read_text())
+    rope = dict(config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)})
+    rope.update(rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
+                original_max_position_embeddings=64)
+    bad = with_config(short_model, tmp_path / "bad-rope", rope_parameters=rope, rope_scaling=None)
     done = coli("run", "hi", "--model", str(bad), "--raw", "--max-tokens", "2")
     line = one_error_line(done.stderr, done.returncode)
-    assert "failed while loading" in line and line.count(name) == 1 and "coli doctor --deep" in line
+    message = "rope_high_freq_factor must exceed rope_low_freq_factor"
+    assert "failed while loading" in line and line.count(message) == 1 and "coli doctor --deep" in line
 
 
 def test_bench_quality_fits_its_default_positions_to_the_context(short_model):

@@ -43,7 +43,7 @@ def big_model(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")   # the plugin filter it sets must not outlive this module's tests
 def olmoe_facts(big_model):
     saved = {k: os.environ.get(k) for k in ("COLIBRI_LOAD_PLUGINS", "COLIBRI_DISABLE_PLUGINS")}
     os.environ["COLIBRI_LOAD_PLUGINS"] = "olmoe"

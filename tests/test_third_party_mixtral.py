@@ -119,10 +119,14 @@ def reference(model_dir):
     return {"ids": list(ids), "logits": logits, "tokens": tokens}
 
 
+def every_plugin_env() -> dict[str, str]:
+    """This process's environment without the plugin filters other tests may have set: the fixture must be seen."""
+    return {k: v for k, v in os.environ.items() if k not in ("COLIBRI_LOAD_PLUGINS", "COLIBRI_DISABLE_PLUGINS")}
+
+
 def coli_json(*args: str):
     """The installed ``coli`` script's JSON answer (a cold engine build on a busy machine takes over a minute)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLIBRI_LOAD_PLUGINS", "COLIBRI_DISABLE_PLUGINS")}
-    done = subprocess.run([str(coli_script()), *args, "--json"], capture_output=True, text=True, env=env,
+    done = subprocess.run([str(coli_script()), *args, "--json"], capture_output=True, text=True, env=every_plugin_env(),
                           stdin=subprocess.DEVNULL, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
@@ -186,7 +190,8 @@ print(json.dumps(rows))
 def test_prompt_logits_match_transformers(installed, model_dir, reference):
     caps = [1, GEOMETRY["num_local_experts"]]
     done = subprocess.run([sys.executable, "-c", LOGITS_SCRIPT, str(model_dir), json.dumps(reference["ids"]),
-                           json.dumps(caps)], capture_output=True, text=True, timeout=300, check=False)
+                           json.dumps(caps)], capture_output=True, text=True, timeout=300, check=False,
+                          env=every_plugin_env())
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert rows[str(caps[0])] == rows[str(caps[1])], "the cache size changed a logit bit"
@@ -203,7 +208,7 @@ def test_a_config_the_engine_cannot_run_is_one_line(installed, model_dir, tmp_pa
     config["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     done = subprocess.run([str(coli_script()), "run", "hi", "--model", str(tmp_path), "--max-tokens", "1"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120, check=False)
+                          capture_output=True, text=True, env=every_plugin_env(), stdin=subprocess.DEVNULL, timeout=120, check=False)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (f"error: {tmp_path / 'config.json'}: rope type 'linear' (partial 1) is not "
                                    "supported by the mixtral engine (the engine implements full default RoPE)")
