@@ -17,6 +17,7 @@ from . import chat  # noqa: E402,F401  (coli chat)
 from . import serve  # noqa: E402,F401  (coli serve)
 from . import build  # noqa: E402,F401  (coli build)
 from . import convert  # noqa: E402,F401  (coli convert)
+from . import models  # noqa: E402,F401  (coli pull, list, rm)
 from . import bench  # noqa: E402,F401  (coli bench quality)
 
 __all__ = ["app", "main"]
