@@ -18,6 +18,7 @@ from . import serve  # noqa: E402,F401  (coli serve)
 from . import build  # noqa: E402,F401  (coli build)
 from . import convert  # noqa: E402,F401  (coli convert)
 from . import models  # noqa: E402,F401  (coli pull, list, rm)
+from . import daemon  # noqa: E402,F401  (coli start, status, logs, stop)
 from . import bench  # noqa: E402,F401  (coli bench quality)
 
 __all__ = ["app", "main"]
