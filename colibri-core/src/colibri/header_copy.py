@@ -76,6 +76,11 @@ def fetch_header(repo: hub.RemoteRepo, f: hub.RemoteFile, dest: Path) -> Path:
 
 def header_only_copy(ref: str, dest: Path | None = None) -> Path:
     """The repo's small JSON files and every shard's header, in ``dest`` (default: the cache, per commit)."""
+    return remote_header_copy(ref, dest)[0]
+
+
+def remote_header_copy(ref: str, dest: Path | None = None) -> tuple[Path, hub.RemoteRepo]:
+    """:func:`header_only_copy`, and the repo listing it was made from (sizes of every file)."""
     repo_id, revision = hub.parse_ref(ref)
     repo = hub.remote_repo(repo_id, revision)
     dest = dest or cache_root() / "headers" / f"{repo_id}@{repo.commit}"
@@ -89,4 +94,4 @@ def header_only_copy(ref: str, dest: Path | None = None) -> Path:
         elif f.name.endswith(".json") and f.size <= SMALL_FILE_BYTES:
             hub.fetch_file(repo, f, dest, lambda n: None)
     shutil.rmtree(dest / hub.PARTIAL_DIR, ignore_errors=True)
-    return dest
+    return dest, repo

@@ -58,7 +58,13 @@ def start_command(
                                     "after that; `coli status` shows how far it got)."),
     as_json: bool = JsonOption,
 ) -> None:
-    """Start `coli serve` in the background (pidfile + log; any other `coli serve` option is passed on)."""
+    """Start `coli serve` in the background (pidfile + log; any other `coli serve` option is passed on).
+
+    Without --model (and $COLI_MODEL) it serves the model `coli setup` chose."""
+    if model is None and not os.environ.get("COLI_MODEL"):
+        from ..setup_flow import read_config
+
+        model = read_config().get("model")
     data = start_server(model, family, name, host, port, list(ctx.args), wait)
     if as_json:
         emit_json(data)
