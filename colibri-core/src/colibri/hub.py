@@ -93,40 +93,48 @@ def parse_ref(text: str) -> tuple[str, str | None]:
 @contextmanager
 def hub_errors(repo_id: str, revision: str | None, filename: str | None = None) -> Iterator[None]:
     """Turn ``huggingface_hub``/transport exceptions into one-line colibri errors naming the repo and the fix."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = _hub_error(exc, f"{repo_id}@{revision}" if revision else repo_id, revision, filename)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def _hub_error(exc: Exception, where: str, revision: str | None, filename: str | None) -> HubError | None:
     import httpx2
     from huggingface_hub import errors as hf
 
-    where = f"{repo_id}@{revision}" if revision else repo_id
-    try:
-        yield
-    except hf.GatedRepoError:
-        raise HubError(f"{where} is gated on {endpoint()}: it needs a token of an account that accepted its terms",
-                       f"accept them on the model's page, then {LOGIN_HINT}") from None
-    except hf.RevisionNotFoundError:
-        raise HubError(f"{where}: no revision {revision!r} on {endpoint()}",
-                       "give a branch, tag or commit that exists (or drop @REVISION)") from None
-    except hf.RemoteEntryNotFoundError:
-        raise HubError(f"{where}: no file {filename!r} on {endpoint()}", "check --include") from None
-    except hf.RepositoryNotFoundError:
-        raise HubError(f"{where}: no such model repository on {endpoint()} (or it is private)",
-                       f"check the name; for a private repo {LOGIN_HINT}") from None
-    except hf.OfflineModeIsEnabled:
-        raise HubError(f"{where}: offline mode is on (HF_HUB_OFFLINE) and this is not pulled yet",
-                       "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to download it") from None
-    except hf.HfHubHTTPError as exc:
+    known = (   # subclasses first: a gated repo is also a RepositoryNotFoundError
+        (hf.GatedRepoError, f"{where} is gated on {endpoint()}: it needs a token of an account that accepted its terms",
+         f"accept them on the model's page, then {LOGIN_HINT}"),
+        (hf.RevisionNotFoundError, f"{where}: no revision {revision!r} on {endpoint()}",
+         "give a branch, tag or commit that exists (or drop @REVISION)"),
+        (hf.RemoteEntryNotFoundError, f"{where}: no file {filename!r} on {endpoint()}", "check --include"),
+        (hf.RepositoryNotFoundError, f"{where}: no such model repository on {endpoint()} (or it is private)",
+         f"check the name; for a private repo {LOGIN_HINT}"),
+        (hf.OfflineModeIsEnabled, f"{where}: offline mode is on (HF_HUB_OFFLINE) and this is not pulled yet",
+         "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to download it"),
+    )
+    for kind, message, hint in known:
+        if isinstance(exc, kind):
+            return HubError(message, hint)
+    if isinstance(exc, hf.HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "?"
         if status == 401:
-            raise HubError(f"{where}: the hub rejected the token (401)", f"renew it: {LOGIN_HINT}") from None
+            return HubError(f"{where}: the hub rejected the token (401)", f"renew it: {LOGIN_HINT}")
         if status == 403:
-            raise HubError(f"{where}: the token has no access (403)",
-                           f"request access on the model's page or use another token ({LOGIN_HINT})") from None
-        raise HubError(f"{where}: the hub answered {status} ({_first_line(exc)})", "retry later") from None
-    except (httpx2.ConnectError, httpx2.TimeoutException) as exc:
-        raise HubError(f"cannot reach {endpoint()} for {where} ({_first_line(exc)})",
-                       "check the network or HF_ENDPOINT; rerun to resume") from None
-    except (httpx2.TransportError, ConnectionError) as exc:
-        raise HubError(f"download of {filename or where} was interrupted ({_first_line(exc)})",
-                       f"rerun `coli pull {where}` to resume where it stopped") from None
+            return HubError(f"{where}: the token has no access (403)",
+                            f"request access on the model's page or use another token ({LOGIN_HINT})")
+        return HubError(f"{where}: the hub answered {status} ({_first_line(exc)})", "retry later")
+    if isinstance(exc, (httpx2.ConnectError, httpx2.TimeoutException)):
+        return HubError(f"cannot reach {endpoint()} for {where} ({_first_line(exc)})",
+                        "check the network or HF_ENDPOINT; rerun to resume")
+    if isinstance(exc, (httpx2.TransportError, ConnectionError)):
+        return HubError(f"download of {filename or where} was interrupted ({_first_line(exc)})",
+                        f"rerun `coli pull {where}` to resume where it stopped")
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
