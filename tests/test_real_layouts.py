@@ -8,6 +8,7 @@ Every family package is installed here (the integration suite), so the real fami
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from colibri import plugins  # noqa: E402
 from colibri.cli import app  # noqa: E402
 
 runner = CliRunner()
+# The releases whose layouts load in about a second: the default suite. The rest (hundreds of shards, tens of
+# thousands of tensors: a minute or more each on two cores) run with COLIBRI_SLOW_TESTS=1 (`nox -s real_layouts`).
+QUICK = ("GLM-4.7-Flash", "Kimi Linear", "Qwen3-30B-A3B", "OLMoE-1B-7B")
+SLOW = os.environ.get("COLIBRI_SLOW_TESTS") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,8 @@ def coli_json(*args: str, expect: int = 0) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("name", [r.name for r in RELEASES])
+@pytest.mark.parametrize("name", [pytest.param(r.name, marks=pytest.mark.skipif(
+    r.name not in QUICK and not SLOW, reason="a large layout: set COLIBRI_SLOW_TESTS=1")) for r in RELEASES])
 def test_info_counts_the_published_parameters_and_plan_and_doctor_agree(layouts, name):
     release, path = BY_NAME[name], layouts(name)
     info = coli_json("info", "--model", str(path))
