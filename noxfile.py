@@ -152,6 +152,17 @@ def convert_slow(session: nox.Session) -> None:
 
 
 @nox.session
+def real_layouts(session: nox.Session) -> None:
+    """coli info / plan / doctor on the header-only layouts of every real release in tests/real_layouts.py (the big
+    ones take minutes; the default suite runs the small ones); `-- --write-docs` also regenerates docs/models.md."""
+    install_everything(session)
+    if "--write-docs" in session.posargs:
+        session.run("python", "tests/real_layouts.py", env=TEST_ENV)
+    session.run("python", "-m", "pytest", *PYTEST_ARGS, "-o", "pythonpath=tests", "tests/test_real_layouts.py",
+                env={**TEST_ENV, "COLIBRI_SLOW_TESTS": "1"}, success_codes=[0])
+
+
+@nox.session
 def routing_study(session: nox.Session) -> None:
     """colibri-nano's routing on held-out text: per-layer expert popularity, token-to-token reuse, and hit rate vs
     cache size (LRU and the hot set, simulated and measured by the engine); writes its section of docs/benchmarks.md

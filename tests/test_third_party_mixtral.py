@@ -126,7 +126,8 @@ def every_plugin_env() -> dict[str, str]:
 
 def coli_json(*args: str):
     """The installed ``coli`` script's JSON answer (a cold engine build on a busy machine takes over a minute)."""
-    done = subprocess.run([str(coli_script()), *args, "--json"], capture_output=True, text=True, env=every_plugin_env(),
+    done = subprocess.run([str(coli_script()), *args, "--json"], capture_output=True, text=True,
+                          env=every_plugin_env(),
                           stdin=subprocess.DEVNULL, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
@@ -208,7 +209,8 @@ def test_a_config_the_engine_cannot_run_is_one_line(installed, model_dir, tmp_pa
     config["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     done = subprocess.run([str(coli_script()), "run", "hi", "--model", str(tmp_path), "--max-tokens", "1"],
-                          capture_output=True, text=True, env=every_plugin_env(), stdin=subprocess.DEVNULL, timeout=120, check=False)
+                          capture_output=True, text=True, env=every_plugin_env(), stdin=subprocess.DEVNULL,
+                          timeout=120, check=False)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (f"error: {tmp_path / 'config.json'}: rope type 'linear' (partial 1) is not "
                                    "supported by the mixtral engine (the engine implements full default RoPE)")

@@ -24,7 +24,14 @@ def model_dir_from(option: str | os.PathLike | None) -> Path:
         raise UsageError("no model given", f"pass --model DIR or set {MODEL_ENV}=DIR to a checkpoint directory")
     path = Path(value).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"{path}: no such directory", "pass --model the checkpoint directory")
+        from .models_dir import find, is_name
+
+        pulled = find(str(value))   # a name: the copy `coli pull` keeps in the model directory
+        if pulled is None:
+            pull = f", or `coli pull {value}` first" if is_name(str(value)) else ""
+            raise ModelNotFoundError(f"{path}: no such directory, nor a pulled model of that name",
+                                     f"pass --model the checkpoint directory{pull}")
+        path = pulled
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: is a file, not a checkpoint directory",
                                  "pass --model the directory that holds config.json")

@@ -17,6 +17,9 @@ from . import chat  # noqa: F401  (coli chat)
 from . import serve  # noqa: F401  (coli serve)
 from . import build  # noqa: F401  (coli build)
 from . import convert  # noqa: F401  (coli convert)
+from . import setup  # noqa: F401  (coli setup)
+from . import models  # noqa: F401  (coli pull, list, rm)
+from . import daemon  # noqa: F401  (coli start, status, logs, stop)
 from . import bench  # noqa: F401  (coli bench quality)
 
 __all__ = ["app", "main"]

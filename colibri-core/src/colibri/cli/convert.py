@@ -58,13 +58,27 @@ def convert_command(
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and check every tensor against the "
                                 "source (exact bits and the scheme's error bound)."),
     family: Optional[str] = FamilyOption,
+    repo: Optional[str] = typer.Option(None, "--repo", metavar="REPO[@REV]",
+                                       help="Convert a hub repo while downloading it, shard by shard (the disk "
+                                            "never holds the release and the container together); resumable."),
 ) -> None:
     """Convert a checkpoint into a colibri-quant container (safetensors shards; see docs/formats.md)."""
     from ..convert.plan import summarize_fallbacks
     from ..convert.run import convert
 
-    resolved = resolve_model(model, family)
-    result = convert(resolved, out, experts=experts, dense=dense, verify=verify, reporter=RichReporter())
+    if repo is not None:
+        from ..errors import UsageError
+        from ..stream_convert import convert_repo
+
+        if model is not None or verify:
+            raise UsageError("--repo converts from the hub", "drop --model/--verify (verify the container with "
+                             "`coli convert --model SOURCE --verify` when the source is on disk)")
+        result, peak = convert_repo(repo, out, experts=experts, dense=dense, family=family,
+                                    reporter=RichReporter())
+        stdout().print(f"source shards on disk at most: {human_bytes(peak)}")
+    else:
+        resolved = resolve_model(model, family)
+        result = convert(resolved, out, experts=experts, dense=dense, verify=verify, reporter=RichReporter())
     pairs = [
         ("output", str(result.out)),
         ("schemes", f"experts {experts}, dense {dense}"),

@@ -201,6 +201,15 @@ def not_fitting_error(plan: ResourcePlan) -> InsufficientMemoryError:
 def plan_command(
     model: str | None = ModelOption,
     family: str | None = FamilyOption,
+    repo: str | None = typer.Option(None, "--repo", metavar="REPO[@REV]",
+                                    help="Plan a hub repo before downloading it: reads only its JSON files and "
+                                         "each shard's header (HTTP Range reads)."),
+    experts: str | None = typer.Option(None, "--experts", metavar="int4|int8",
+                                       help="Plan the container `coli convert --experts` would write (without "
+                                            "converting anything)."),
+    dense: str | None = typer.Option(None, "--dense", metavar="int8|bf16|f32",
+                                     help="With --experts: how that container stores dense matrices "
+                                          "[default: bf16]."),
     ram: float | None = typer.Option(None, "--ram", metavar="GB",
                                         help="RAM budget in GiB. Default: available RAM within cgroup limits."),
     ctx: int | None = typer.Option(None, "--ctx", metavar="N", help="Context tokens per slot (default 4096 "
@@ -215,16 +224,45 @@ def plan_command(
     as_json: bool = JsonOption,
 ) -> None:
     """Place the model in RAM: dense, KV, reserve and expert cache slots per layer, and the disk-bound speed."""
-    facts = load_facts(resolve_model(model, family))
-    request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw, measure_disk=measure_disk)
+    facts, projected = planned_facts(model, family, repo, experts, dense)
+    request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw, measure_disk=measure_disk and not repo)
     plan = make_plan(facts, request)
+    container = None if projected is None else {
+        "experts": projected.experts, "dense": projected.dense, "shards": projected.shards,
+        "container_bytes": projected.container_bytes, "source_bytes": projected.source_bytes}
     if as_json:
         emit_json({"model": str(facts.model.path), "family": facts.model.family, "ctx": request.ctx,
-                   "kv_slots": request.kv_slots, "sources": sources, **asdict(plan)})
+                   "kv_slots": request.kv_slots, "sources": sources, "repo": repo,
+                   "projected_container": container, **asdict(plan)})
     else:
         _print_plan(facts, request, plan, sources)
+        if container:
+            stdout().print(f"projected container: experts {container['experts']}, dense {container['dense']}: "
+                           f"{human_bytes(container['container_bytes'])} on disk in {container['shards']} shards "
+                           f"(source tensors {human_bytes(container['source_bytes'])}); nothing was converted")
     if not plan.fits:
         raise not_fitting_error(plan)
+
+
+def planned_facts(model: str | None, family: str | None, repo: str | None, experts: str | None,
+                  dense: str | None):
+    """The facts ``coli plan`` plans: of a local model or a hub repo's header-only copy, as shipped or as the
+    container ``--experts/--dense`` would make of it (``(facts, Projection or None)``)."""
+    if repo is not None:
+        if model is not None:
+            raise UsageError("--model and --repo both given", "plan one: a local model or a hub repo")
+        from ..header_copy import header_only_copy
+
+        model = str(header_only_copy(repo))
+    facts = load_facts(resolve_model(model, family))
+    if experts is None and dense is None:
+        return facts, None
+    if experts is None:
+        raise UsageError("--dense without --experts", "give the container's expert scheme too: --experts int4|int8")
+    from ..projection import project
+
+    projected = project(facts, experts, dense or "bf16")
+    return projected.facts, projected
 
 
 def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sources: dict[str, str]) -> None:

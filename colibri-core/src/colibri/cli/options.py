@@ -7,8 +7,9 @@ import typer
 from ..model import MODEL_ENV
 
 ModelOption = typer.Option(
-    None, "--model", "-m", metavar="DIR",
-    help=f"Checkpoint directory (Hugging Face layout). Defaults to ${MODEL_ENV}.",
+    None, "--model", "-m", metavar="DIR|NAME",
+    help=f"Checkpoint directory (Hugging Face layout), or the name of a pulled model (Org/Name). "
+         f"Defaults to ${MODEL_ENV}.",
 )
 FamilyOption = typer.Option(
     None, "--family", metavar="NAME", help="Family to use when several installed families claim the model.",
