@@ -85,7 +85,9 @@ def pull_command(
     out = stdout()
     if result.offline:
         out.print(f"{result.dest}: already pulled (offline mode: not checked for updates)")
-    elif result.already_complete:
+        return
+    assert result.repo is not None     # a pull that reached the hub knows the repo and its commit
+    if result.already_complete:
         out.print(f"{result.dest}: up to date ({result.repo.repo_id} at {result.repo.commit[:12]})")
     else:
         out.print(f"{result.dest}: {result.fetched_files} file(s), {human_bytes(result.fetched_bytes)} fetched "

@@ -126,7 +126,8 @@ def write_layout(config: dict[str, Any], directory: Path, shard_bytes: int = SHA
     weight_map, total = {}, 0
     for i, group in enumerate(groups, start=1):
         file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
         for name, shape, dtype, nbytes in group:
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
