@@ -9,10 +9,11 @@
 
 #include <stddef.h>
 
-#include "engine.h"
 #include "experts.h"
 #include "fp8.h"
+#include "hparams.h"
 #include "kernels.h"
+#include "kv.h"
 #include "quant.h"
 #include "safetensors.h"
 

@@ -3,7 +3,8 @@
  * The runtime owns the process: argument parsing, the JSON-lines protocol of docs/protocol.md, KV slots,
  * scheduling (slots interleaved, prefill in chunks, stdin polled between steps), prefix reuse, sampling and
  * stats. A family supplies a cb_family: load the weights, run a forward pass over n tokens of one slot, free.
- * A family's C file is then a short composition of the blocks in blocks.h plus
+ * A family's C file is then a short composition of the blocks in blocks.h (which never include this header: the
+ * dependency runs process -> blocks, with the KV cache in kv.h and the --set table in hparams.h) plus
  *
  *     int main(int argc, char **argv) { return cb_engine_main(argc, argv, &my_family); }
  */
@@ -14,39 +15,8 @@
 #include <stdint.h>
 
 #include "experts.h"
-
-/* ---- hyperparameters passed as --set key=value (resolved from config.json by the family plugin) ---- */
-
-typedef struct {
-    int n;
-    char **keys, **values;
-    int *used;                 /* a key nobody asked for is refused after load: a typo must not pass silently */
-} cb_hparams;
-
-/* Each getter returns 0 and fills *out; a missing required key or an unparsable value is -1 with a message
- * naming the key. The _opt variants leave *out (the default) alone when the key is absent. */
-int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-int cb_hp_int_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-int cb_hp_float(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
-int cb_hp_float_opt(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
-int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-/* Returns the value string (owned by hp) or def when absent. */
-const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def);
-
-/* ---- KV cache of one slot: f32, [layer][position][kv_dim] for K and for V ---- */
-
-typedef struct {
-    int n_layers, ctx, kv_dim;
-    float *k, *v;
-    float *state;              /* the slot's recurrent state (cb_model_info.state_bytes), NULL when none */
-} cb_kv;
-
-static inline float *cb_kv_k(const cb_kv *kv, int layer, int pos) {
-    return kv->k + ((size_t)layer * (size_t)kv->ctx + (size_t)pos) * (size_t)kv->kv_dim;
-}
-static inline float *cb_kv_v(const cb_kv *kv, int layer, int pos) {
-    return kv->v + ((size_t)layer * (size_t)kv->ctx + (size_t)pos) * (size_t)kv->kv_dim;
-}
+#include "hparams.h"
+#include "kv.h"
 
 /* ---- the family interface ---- */
 

@@ -1,11 +1,11 @@
-/* hparams.c: the --set key=value hyperparameters (see engine.h). */
+/* hparams.c: the --set key=value hyperparameters (see hparams.h). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "hparams.h"
 
 static int find(cb_hparams *hp, const char *key) {
     for (int i = hp->n - 1; i >= 0; i--)      /* the last --set of a key wins */
