@@ -279,7 +279,7 @@ static void test_experts(void) {
             CHECK((L.count.hits > hits) == expect_hit[k], "access %d of expert %d", k, order[k]);
             for (int m = 0; m < 3; m++)
                 for (int i = 0; i < HID * INTER; i++)
-                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "expert %d matrix %d", order[k], m);
+                    CHECK(((const float *)v.m[m].f.w)[i] == expert_value(order[k], m, i), "expert %d matrix %d", order[k], m);
         }
         CHECK(L.count.hits == 2 && L.count.misses == 6, "hits %llu misses %llu", (unsigned long long)L.count.hits,
               (unsigned long long)L.count.misses);
@@ -304,7 +304,7 @@ static void test_experts(void) {
                 }
             for (int m = 0; m < 3; m++)
                 for (int i = 0; i < HID * INTER; i++)
-                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "prefetched expert %d", order[k]);
+                    CHECK(((const float *)v.m[m].f.w)[i] == expert_value(order[k], m, i), "prefetched expert %d", order[k]);
         }
         CHECK(!memcmp(&plain, &L.count, sizeof plain), "counters with prefetch: %llu/%llu %llu/%llu %llu/%llu %llu/%llu", (unsigned long long)plain.hits, (unsigned long long)L.count.hits, (unsigned long long)plain.misses, (unsigned long long)L.count.misses, (unsigned long long)plain.reads, (unsigned long long)L.count.reads, (unsigned long long)plain.bytes_read, (unsigned long long)L.count.bytes_read);
         cb_experts_prefetch(&L, 1);      /* left unconsumed: free must wait for it */

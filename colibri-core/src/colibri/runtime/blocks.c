@@ -12,38 +12,25 @@
 int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
                    char *err, size_t errlen) {
     memset(l, 0, sizeof *l);
-    int qrc = cb_qlinear_load(&l->w, &l->q, idx, name, rows, cols, bytes, err, errlen);
+    l->m.rows = rows;
+    l->m.cols = cols;
+    int qrc = cb_qlinear_load(&l->w, &l->m.q, idx, name, rows, cols, bytes, err, errlen);
     if (qrc <= 0) {   /* loaded quantized from a container, or refused */
-        l->quantized = qrc == 0;
-        l->rows = rows;
-        l->cols = cols;
+        l->m.kind = CB_MAT_INT;
         return qrc;
     }
-    int frc = cb_fp8_load(&l->w, &l->f8, idx, name, rows, cols, bytes, err, errlen);
+    int frc = cb_fp8_load(&l->w, &l->m.f8, idx, name, rows, cols, bytes, err, errlen);
     if (frc <= 0) {   /* block-quantized fp8 (a scale companion exists), or refused */
-        l->fp8 = frc == 0;
-        l->rows = rows;
-        l->cols = cols;
+        l->m.kind = CB_MAT_FP8;
         return frc;
     }
     int64_t dims[2] = {rows, cols};
     const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
     if (!t) return -1;
     if (!(l->w = cb_st_load(idx, t, err, errlen))) return -1;
-    l->dt = t->dtype;
-    l->rows = rows;
-    l->cols = cols;
+    l->m = cb_matrix_float(l->w, t->dtype, rows, cols);
     if (bytes) *bytes += t->nbytes;
     return 0;
-}
-
-static void to_f32(float *out, const void *src, cb_dtype dt, size_t n) {
-    if (dt == CB_F32) {
-        memcpy(out, src, n * sizeof(float));
-    } else {
-        const uint16_t *h = src;
-        for (size_t i = 0; i < n; i++) out[i] = dt == CB_BF16 ? cb_bf16_to_f32(h[i]) : cb_f16_to_f32(h[i]);
-    }
 }
 
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
@@ -59,7 +46,7 @@ int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n,
         snprintf(err, errlen, "out of memory loading %s", name);
         return -1;
     }
-    to_f32(*out, raw, t->dtype, (size_t)n);
+    cb_convert_to_f32(*out, raw, t->dtype, (size_t)n);
     free(raw);
     if (bytes) *bytes += (size_t)n * sizeof(float);
     return 0;
@@ -71,49 +58,24 @@ void cb_linear_free(cb_linear *l) {
 }
 
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
-    if (!l->quantized && !l->fp8) return 0;
-    float *w = malloc((size_t)l->rows * (size_t)l->cols * sizeof(float) + 1);
+    if (l->m.kind == CB_MAT_FLOAT) return 0;
+    int rows = l->m.rows, cols = l->m.cols;
+    float *w = malloc((size_t)rows * (size_t)cols * sizeof(float) + 1);
     if (!w) {
-        snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", l->rows, l->cols);
+        snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", rows, cols);
         return -1;
     }
-    for (int r = 0; r < l->rows; r++) {
-        if (l->fp8) cb_fp8_dequant_row(w + (size_t)r * (size_t)l->cols, &l->f8, r);
-        else cb_qdequant_row(w + (size_t)r * (size_t)l->cols, &l->q, r);
-    }
+    for (int r = 0; r < rows; r++) cb_matrix_row(w + (size_t)r * (size_t)cols, &l->m, r);
     free(l->w);
     l->w = w;
-    l->dt = CB_F32;
-    l->quantized = 0;
-    l->fp8 = 0;
+    l->m = cb_matrix_float(w, CB_F32, rows, cols);
     return 0;
 }
 
-void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) {
-    if (l->quantized) {
-        cb_qlinear_apply(&l->q, Y, X, n);
-        return;
-    }
-    if (l->fp8) {
-        cb_fp8_matmul(Y, &l->f8, X, n);
-        return;
-    }
-    if (n == 1) cb_matvec(Y, l->w, l->dt, X, l->rows, l->cols);
-    else cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
-}
+void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) { cb_matrix_apply(&l->m, Y, X, n); }
 
-void cb_embed(float *out, const cb_linear *emb, int token) {
-    if (emb->quantized) {   /* dequantized per row: level * scale is exact in f32 */
-        cb_qdequant_row(out, &emb->q, token);
-        return;
-    }
-    if (emb->fp8) {
-        cb_fp8_dequant_row(out, &emb->f8, token);
-        return;
-    }
-    size_t row = (size_t)token * (size_t)emb->cols;
-    to_f32(out, (const char *)emb->w + row * cb_dtype_size(emb->dt), emb->dt, (size_t)emb->cols);
-}
+/* Dequantized per row: level * scale (e4m3 * block scale) is exact in f32. */
+void cb_embed(float *out, const cb_linear *emb, int token) { cb_matrix_row(out, &emb->m, token); }
 
 void cb_add(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
@@ -473,8 +435,7 @@ static void predict_next(cb_moe *m, const float *x) {
     cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
     if (!nx || !nx->router.w || nx->hidden != m->hidden || nx->n_experts > 4096) return;
     int E = nx->n_experts, K = nx->top_k;
-    if (nx->router.fp8) cb_linear_apply(&nx->router, m->next_logits, x, 1);
-    else cb_matvec(m->next_logits, nx->router.w, nx->router.dt, x, E, m->hidden);
+    cb_linear_apply(&nx->router, m->next_logits, x, 1);
     cb_expert_layer *S = &nx->store;
     memset(S->predicted, 0, (size_t)E);
     for (int j = 0; j < K; j++) {   /* top-k of the logits = top-k of the softmax */
@@ -501,22 +462,13 @@ static void score_prediction(cb_moe *m) {
     S->has_prediction = 0;
 }
 
-/* Y = matrix `mat` of a float, native fp8 or fp4 expert applied to n input rows (fp8 gives the float path's bits on
- * the dequantized weights, fp8.h). */
-static void expert_apply(float *Y, const cb_expert_view *ex, int mat, const float *X, int n, int rows, int cols) {
-    if (ex->fp4) cb_fp4_matmul(Y, &ex->f4[mat], X, n);
-    else if (ex->fp8) cb_fp8_matmul(Y, &ex->f8[mat], X, n);
-    else if (n == 1) cb_matvec(Y, ex->w[mat], ex->dt[mat], X, rows, cols);
-    else cb_matmul(Y, ex->w[mat], ex->dt[mat], X, n, rows, cols);
-}
-
 /* Run expert e on the given rows (their (row, choice) pairs in m->pair_of_row) into m->y. */
 static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
     int H = m->hidden, I = m->inter;
     cb_expert_view ex;
     if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
     double t0 = cb_now_s();
-    if (ex.quantized) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
+    if (ex.m[CB_GATE].kind == CB_MAT_INT) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
         if (cb_qexpert_run(m->down, m->gate, m->up, &ex, m->rows, rows, err, errlen)) return -1;
         for (int r = 0; r < rows; r++)
             memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
@@ -526,11 +478,11 @@ static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, siz
     }
     for (int r = 0; r < rows; r++)
         memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-    expert_apply(m->gate, &ex, CB_GATE, m->xs, rows, I, H);
-    expert_apply(m->up, &ex, CB_UP, m->xs, rows, I, H);
+    cb_matrix_apply(&ex.m[CB_GATE], m->gate, m->xs, rows);
+    cb_matrix_apply(&ex.m[CB_UP], m->up, m->xs, rows);
     if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
     cb_silu_mul(m->gate, m->up, rows * I);
-    expert_apply(m->down, &ex, CB_DOWN, m->gate, rows, H, I);
+    cb_matrix_apply(&ex.m[CB_DOWN], m->down, m->gate, rows);
     for (int r = 0; r < rows; r++)
         memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
                (size_t)H * sizeof(float));
@@ -561,7 +513,7 @@ static void stage_misses(cb_moe *m, int from) {
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
     int E = m->n_experts, K = m->top_k, H = m->hidden;
     trim_choices(m, n);
-    if (m->store.n_experts && m->store.loc[0].quantized && cb_qexperts_begin(x, n, H)) {
+    if (m->store.n_experts && m->store.loc[0].kind == CB_MAT_INT && cb_qexperts_begin(x, n, H)) {
         snprintf(err, errlen, "out of memory quantizing the layer %d MoE input", m->store.layer);
         return -1;
     }

@@ -14,25 +14,19 @@
 #include "hparams.h"
 #include "kernels.h"
 #include "kv.h"
+#include "matrix.h"
 #include "quant.h"
 #include "safetensors.h"
 
 /* ---- weights ---- */
 
-/* A row-major weight matrix [rows, cols] kept in its stored dtype, or, from a colibri-quant container, as
- * int8/int4 levels + scales (quantized = 1: q describes the matrix, w owns its bytes, dt is meaningless and
- * cb_linear_apply / cb_embed go through the integer kernels of qlinear.h), or, from a native block-quantized
- * fp8 checkpoint, as e4m3 bytes + 128x128 block scales (fp8 = 1: f8 describes the matrix, w owns its bytes, dt
- * is meaningless and cb_linear_apply / cb_embed go through fp8.h). Code that reads w directly must first call
- * cb_linear_dequantize. */
+/* A linear layer's weight [rows, cols] in its stored form (matrix.h: float, colibri-quant integer levels, fp8 with
+ * block scales; m.kind says which, and cb_linear_apply / cb_embed dispatch on it). w owns the bytes m points into
+ * (NULL for a borrowed matrix such as a tied LM head). Code that reads the elements directly must first call
+ * cb_linear_dequantize and then reads m.f.w / m.f.dt. */
 typedef struct {
     void *w;
-    cb_dtype dt;
-    int rows, cols;
-    int quantized;
-    cb_qmatrix q;
-    int fp8;
-    cb_fp8matrix f8;
+    cb_matrix m;
 } cb_linear;
 
 /* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. Whatever the family, the stored form
@@ -47,7 +41,7 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);
 void cb_linear_free(cb_linear *l);
-/* Turn a quantized (or fp8) linear into an F32 one holding level * scale (e4m3 * block scale) exactly (a no-op
+/* Turn a quantized (or fp8) linear into a float (F32) one holding level * scale (e4m3 * block scale) exactly (a no-op
  * for a float one), for the blocks that read weights directly instead of through cb_linear_apply (MLA's
  * absorbed kv_b). 0 or -1. */
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);

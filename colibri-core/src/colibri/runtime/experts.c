@@ -190,22 +190,22 @@ static int raw_read(const cb_expert_layer *L, int e, void *buf, size_t *data_off
                       idx->shard_paths[sh], err, errlen))
             return -1;
     }
-    for (int m = 0; loc->fp8 && m < 3; m++) {
+    for (int m = 0; cb_expert_scaled(loc) && m < 3; m++) {
         int sh = loc->sc_shard[m];
         int fd = own && shards.buffered_fd[sh] >= 0 ? shards.buffered_fd[sh] : idx->fds[sh];
         if (pread_all(fd, (char *)buf + loc->rel_scales[m], loc->sc_nbytes[m], loc->sc_offset[m],
                       loc->sc_nbytes[m], idx->shard_paths[sh], err, errlen))
             return -1;
     }
-    __atomic_add_fetch(&cb_prof.buffered_reads, loc->fp8 ? 6 : 3, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&cb_prof.buffered_reads, cb_expert_scaled(loc) ? 6 : 3, __ATOMIC_RELAXED);
     return 0;
 }
 
 static void count_read(cb_expert_layer *L, int e) {
     const cb_expert_location *loc = &L->loc[e];
-    L->count.reads += loc->single_read ? 1 : loc->two_spans ? 2 : loc->fp8 ? 6 : 3;
+    L->count.reads += loc->single_read ? 1 : loc->two_spans ? 2 : cb_expert_scaled(loc) ? 6 : 3;
     uint64_t pieces = loc->nbytes[0] + loc->nbytes[1] + loc->nbytes[2];
-    if (loc->fp8) pieces += loc->sc_nbytes[0] + loc->sc_nbytes[1] + loc->sc_nbytes[2];
+    if (cb_expert_scaled(loc)) pieces += loc->sc_nbytes[0] + loc->sc_nbytes[1] + loc->sc_nbytes[2];
     L->count.bytes_read += loc->single_read ? loc->span_bytes : pieces;
 }
 
@@ -222,12 +222,12 @@ static int locate_native(cb_expert_location *loc, const cb_st_index *idx, const 
         if (rc4 < 0) return -1;
         int rc = rc4 == 0 ? 0 : cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
         if (rc < 0) return -1;
-        if (m > 0 && rc == 0 && (rc4 == 0) != loc->fp4) {
+        if (m > 0 && rc == 0 && (rc4 == 0) != (loc->kind == CB_MAT_FP4)) {
             snprintf(err, errlen, "layer %d expert %d: %s is %s but its other matrices are not; an expert's three "
                      "matrices share one format", layer, e, name, rc4 == 0 ? "fp4" : "fp8");
             return -1;
         }
-        if (m > 0 && (rc == 0) != loc->fp8) {
+        if (m > 0 && (rc == 0) != cb_expert_scaled(loc)) {
             snprintf(err, errlen, "layer %d expert %d: %s %s a block-scale companion but its other matrices %s; "
                      "an expert is fp8 in all three matrices or in none", layer, e, name, rc ? "lacks" : "has",
                      rc ? "have one" : "do not");
@@ -237,17 +237,16 @@ static int locate_native(cb_expert_location *loc, const cb_st_index *idx, const 
             int64_t dims[2] = {rows, cols};
             if (!(t = cb_st_expect(idx, name, 2, dims, err, errlen))) return -1;
         } else {
-            loc->fp8 = 1;
-            loc->fp4 = rc4 == 0;
+            loc->kind = rc4 == 0 ? CB_MAT_FP4 : CB_MAT_FP8;
             loc->sc_offset[m] = sc->offset;
             loc->sc_nbytes[m] = sc->nbytes;
             loc->sc_shard[m] = sc->shard;
-            if (loc->fp4) cb_fp4_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
+            if (loc->kind == CB_MAT_FP4) cb_fp4_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
             else cb_fp8_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
         }
         loc->offset[m] = t->offset;
         loc->nbytes[m] = t->nbytes;
-        loc->dt[m] = t->dtype;   /* meaningless for fp8 (the view's f8[] describes the matrices) */
+        loc->dt[m] = t->dtype;   /* meaningless for a scaled kind (its view describes the matrices) */
         loc->shard[m] = t->shard;
     }
     return 0;
@@ -272,12 +271,12 @@ static int tiles_span(const uint64_t *off, const uint64_t *nb, const int *sh, ui
  * aligned for its dtype inside the buffer (the buffer itself is page aligned; fp8 bytes and scales are read
  * unaligned). */
 static size_t plan_pieces(cb_expert_location *loc) {
-    int np = loc->fp8 ? 6 : 3;
+    int scaled = cb_expert_scaled(loc), np = scaled ? 6 : 3;
     uint64_t off[6], nb[6];
     int sh[6];
     for (int m = 0; m < 3; m++) {
         off[m] = loc->offset[m], nb[m] = loc->nbytes[m], sh[m] = loc->shard[m];
-        if (loc->fp8) off[3 + m] = loc->sc_offset[m], nb[3 + m] = loc->sc_nbytes[m], sh[3 + m] = loc->sc_shard[m];
+        if (scaled) off[3 + m] = loc->sc_offset[m], nb[3 + m] = loc->sc_nbytes[m], sh[3 + m] = loc->sc_shard[m];
     }
     uint64_t lo = off[0], hi = off[0] + nb[0], total = 0;
     int same_shard = 1, aligned = 1;
@@ -287,7 +286,7 @@ static size_t plan_pieces(cb_expert_location *loc) {
         total += nb[k];
         same_shard &= sh[k] == sh[0];
     }
-    for (int m = 0; m < 3 && !loc->fp8; m++)
+    for (int m = 0; m < 3 && !scaled; m++)
         if ((off[m] - lo) % cb_dtype_size(loc->dt[m])) aligned = 0;
     loc->single_read = same_shard && aligned && hi - lo == total;
     size_t rel[6];
@@ -298,7 +297,7 @@ static size_t plan_pieces(cb_expert_location *loc) {
         loc->span_bytes = total;
         for (int k = 0; k < np; k++) rel[k] = (size_t)(off[k] - lo);
         need = (size_t)total;
-    } else if (loc->fp8 && tiles_span(off, nb, sh, &wlo, &wbytes) && tiles_span(off + 3, nb + 3, sh + 3, &slo, &sbytes)) {
+    } else if (scaled && tiles_span(off, nb, sh, &wlo, &wbytes) && tiles_span(off + 3, nb + 3, sh + 3, &slo, &sbytes)) {
         loc->two_spans = 1;
         loc->span_offset = wlo;
         loc->span_bytes = wbytes;
@@ -320,7 +319,7 @@ static size_t plan_pieces(cb_expert_location *loc) {
     }
     for (int m = 0; m < 3; m++) {
         loc->rel[m] = rel[m];
-        if (loc->fp8) loc->rel_scales[m] = rel[3 + m];
+        if (scaled) loc->rel_scales[m] = rel[3 + m];
     }
     return need;
 }
@@ -681,6 +680,30 @@ static int victim_slot(const cb_expert_layer *L) {
     return s < 0 ? 0 : s;
 }
 
+/* The matrices of expert e from its bytes at base, in the kind its location says. */
+static void expert_view(const cb_expert_layer *L, int e, const char *base, cb_expert_view *view) {
+    const cb_expert_location *loc = &L->loc[e];
+    if (loc->kind == CB_MAT_INT) {
+        cb_qexperts_view(loc, base, view);
+        return;
+    }
+    for (int m = 0; m < 3; m++) {
+        int rows = m == CB_DOWN ? L->hidden : L->inter, cols = m == CB_DOWN ? L->inter : L->hidden;
+        const uint8_t *w = (const uint8_t *)(base + loc->rel[m]);
+        const void *scales = base + loc->rel_scales[m];
+        cb_matrix *M = &view->m[m];
+        if (loc->kind == CB_MAT_FP4) {
+            *M = (cb_matrix){.kind = CB_MAT_FP4, .rows = rows, .cols = cols};
+            M->f4 = (cb_fp4matrix){rows, cols, w, scales, loc->sc_kind[m]};
+        } else if (loc->kind == CB_MAT_FP8) {
+            *M = (cb_matrix){.kind = CB_MAT_FP8, .rows = rows, .cols = cols};
+            M->f8 = (cb_fp8matrix){rows, cols, w, scales, loc->sc_kind[m]};
+        } else {
+            *M = cb_matrix_float(w, loc->dt[m], rows, cols);
+        }
+    }
+}
+
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
     if (e < 0 || e >= L->n_experts) {
         snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
@@ -714,21 +737,7 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         L->slot_of[e] = s;
     }
     L->last_use[s] = ++L->tick;
-    for (int m = 0; m < 3; m++) {
-        view->w[m] = (const char *)L->buf[s] + L->data_off[s] + L->loc[e].rel[m];
-        view->dt[m] = L->loc[e].dt[m];
-    }
-    cb_qexperts_view(&L->loc[e], (const char *)L->buf[s] + L->data_off[s], view);
-    view->fp4 = L->loc[e].fp4;
-    view->fp8 = L->loc[e].fp8 && !view->fp4;
-    for (int m = 0; L->loc[e].fp8 && m < 3; m++) {
-        const char *base = (const char *)L->buf[s] + L->data_off[s];
-        cb_fp8matrix f = {m == CB_DOWN ? L->hidden : L->inter, m == CB_DOWN ? L->inter : L->hidden,
-                          (const uint8_t *)(base + L->loc[e].rel[m]), base + L->loc[e].rel_scales[m],
-                          L->loc[e].sc_kind[m]};
-        if (view->fp4) view->f4[m] = (cb_fp4matrix){f.rows, f.cols, f.w, f.scales, f.scale_kind};
-        else view->f8[m] = f;
-    }
+    expert_view(L, e, (const char *)L->buf[s] + L->data_off[s], view);
     return 0;
 }
 

@@ -32,22 +32,17 @@
 
 #include "fp4.h"
 #include "fp8.h"
+#include "matrix.h"
 #include "qcontainer.h"
 #include "quant.h"
 #include "safetensors.h"
 
 enum { CB_GATE = 0, CB_UP = 1, CB_DOWN = 2 };
 
-/* A resident expert: gate [inter, hidden], up [inter, hidden], down [hidden, inter], row-major. */
+/* A resident expert: gate [inter, hidden], up [inter, hidden], down [hidden, inter], row-major, each in the form the
+ * checkpoint stores it (matrix.h); the three always share one kind. */
 typedef struct {
-    const void *w[3];
-    cb_dtype dt[3];
-    int quantized;             /* colibri-quant expert: q[] holds the matrices (qlinear.h), w/dt are unused */
-    cb_qmatrix q[3];
-    int fp8;                   /* block-quantized fp8 expert: f8[] holds the matrices (fp8.h), w/dt are unused */
-    cb_fp8matrix f8[3];
-    int fp4;                   /* fp4 expert (DeepSeek-V4): f4[] holds the matrices (fp4.h); fp8 is then 0 */
-    cb_fp4matrix f4[3];
+    cb_matrix m[3];
 } cb_expert_view;
 
 typedef struct {
@@ -56,21 +51,24 @@ typedef struct {
     uint64_t span_offset, span_bytes;
     uint64_t offset[3], nbytes[3];
     size_t rel[3];             /* where each matrix starts inside the slot buffer */
-    cb_dtype dt[3];
-    int quantized;             /* colibri-quant: located by cb_qexperts_locate, always one read */
+    cb_dtype dt[3];            /* CB_MAT_FLOAT only */
+    cb_mat_kind kind;          /* CB_MAT_INT: a colibri-quant expert, located by cb_qexperts_locate, always one read */
     const cb_qc_entry *qe[3];  /* the container entries of gate, up, down */
     size_t rel_scales[3];      /* where each matrix's scales start inside the slot buffer (rel[] = levels) */
-    int fp8;                   /* native fp8: each matrix has a block-scale tensor (the sc_* fields); the six
-                                * tensors are one read when they tile one span, two when the weights tile one
-                                * span and the scales another (safetensors groups tensors by dtype), else six */
-    int two_spans;             /* fp8 only: weights at span_offset/span_bytes, scales at sc_span_* */
+    /* CB_MAT_FP8 / CB_MAT_FP4: each matrix has a scale tensor (the sc_* fields); the six tensors are one read when
+     * they tile one span, two when the weights tile one span and the scales another (safetensors groups tensors
+     * by dtype), else six */
+    int two_spans;             /* scaled kinds only: weights at span_offset/span_bytes, scales at sc_span_* */
     uint64_t sc_span_offset, sc_span_bytes;
     int sc_shard[3];
     uint64_t sc_offset[3], sc_nbytes[3];
     cb_fp8_scale_kind sc_kind[3];
-    int fp4;                   /* with fp8 = 1: the scaled pieces are fp4 + per-32 scales (fp4.h), not e4m3; the
-                                * sc_* fields and the read planning serve both */
 } cb_expert_location;
+
+/* Whether an expert's matrices come with scale tensors to read (fp8 and fp4). */
+static inline int cb_expert_scaled(const cb_expert_location *loc) {
+    return loc->kind == CB_MAT_FP8 || loc->kind == CB_MAT_FP4;
+}
 
 typedef struct {
     uint64_t hits, misses, bytes_read, reads;

@@ -123,18 +123,18 @@ static void attend_one(void *ctx, int task) {
     const cb_mla_shape *s = &m->s;
     int H = s->n_heads, qk = s->nope + s->rope, L = s->kv_lora;
     int row = task / H, h = task % H, pos = j->pos0 + row;
-    size_t es = cb_dtype_size(m->kv_b.dt);
+    size_t es = cb_dtype_size(m->kv_b.m.f.dt);
     const float *q = m->q + ((size_t)row * (size_t)H + (size_t)h) * (size_t)qk;
     float *sc = m->work + (size_t)task * ((size_t)m->ctx + 3 * (size_t)L);
     float *q_lat = sc + m->ctx, *ctx_lat = q_lat + L, *w_row = ctx_lat + L;
     /* q_lat = W_UK_h^T q_nope, accumulated over W_UK_h's rows (row d scaled by q_nope[d]) so kv_b_proj is read
      * in its stored layout: no transposed copy of the weights. */
     memset(q_lat, 0, (size_t)L * sizeof(float));
-    const char *wk = (const char *)m->kv_b.w + (size_t)h * (size_t)(s->nope + s->v_dim) * (size_t)L * es;
+    const char *wk = (const char *)m->kv_b.m.f.w + (size_t)h * (size_t)(s->nope + s->v_dim) * (size_t)L * es;
     for (int d = 0; d < s->nope; d++) {
         const float *w = w_row;
-        if (m->kv_b.dt == CB_F32) w = (const float *)(const void *)(wk + (size_t)d * (size_t)L * es);
-        else cb_convert_to_f32(w_row, wk + (size_t)d * (size_t)L * es, m->kv_b.dt, (size_t)L);
+        if (m->kv_b.m.f.dt == CB_F32) w = (const float *)(const void *)(wk + (size_t)d * (size_t)L * es);
+        else cb_convert_to_f32(w_row, wk + (size_t)d * (size_t)L * es, m->kv_b.m.f.dt, (size_t)L);
         float qd = q[d];
         for (int c = 0; c < L; c++) q_lat[c] += qd * w[c];
     }
@@ -153,8 +153,8 @@ static void attend_one(void *ctx, int task) {
     }
     float *out = m->att + ((size_t)row * (size_t)H + (size_t)h) * (size_t)s->v_dim;
     size_t v_row = (size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)s->nope;
-    const char *wv = (const char *)m->kv_b.w + v_row * (size_t)L * es;
-    for (int d = 0; d < s->v_dim; d++) out[d] = cb_dot(wv + (size_t)d * (size_t)L * es, m->kv_b.dt, ctx_lat, L);
+    const char *wv = (const char *)m->kv_b.m.f.w + v_row * (size_t)L * es;
+    for (int d = 0; d < s->v_dim; d++) out[d] = cb_dot(wv + (size_t)d * (size_t)L * es, m->kv_b.m.f.dt, ctx_lat, L);
 }
 
 void cb_mla_attend(cb_mla *m, float *out, int n, int pos0, const cb_kv *kv, int layer, const int *sel,

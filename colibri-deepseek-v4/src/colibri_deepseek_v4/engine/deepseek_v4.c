@@ -574,7 +574,7 @@ static void attention(v4 *m, v4_layer *L, int layer, cb_kv *kv, const float *h, 
         int gin = NH * D / G;
         for (int g = 0; g < G; g++)
             cb_matvec(m->ga + (size_t)i * G * R + (size_t)g * R,
-                      (const char *)L->wo_a.w + (size_t)g * R * gin * cb_dtype_size(L->wo_a.dt), L->wo_a.dt,
+                      (const char *)L->wo_a.m.f.w + (size_t)g * R * gin * cb_dtype_size(L->wo_a.m.f.dt), L->wo_a.m.f.dt,
                       o + (size_t)g * gin, R, gin);
     }
     cb_linear_apply(&L->wo_b, out, m->ga, n);
