@@ -312,7 +312,9 @@ static void test_experts(void) {
         /* The hot set evicts the coldest expert, not the least recent: after 0, 0, 0, 1 the cap-2 cache keeps the
          * thrice-routed 0 when 2 arrives, where LRU drops it (and misses it again next). */
         for (int hot = 0; hot < 2; hot++) {
-            cb_stream.pin = hot;
+            cb_stream_opts o = cb_stream_defaults();
+            o.pin = hot;
+            cb_experts_configure(&o);
             CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
             int seq[] = {0, 0, 0, 1, 2, 0};
             for (int k = 0; k < 6; k++) CHECK(cb_experts_get(&L, seq[k], &v, err, sizeof err) == 0, "%s", err);
@@ -321,7 +323,8 @@ static void test_experts(void) {
             CHECK(L.slot_of[0] >= 0 && L.slot_of[2] >= 0 && (hot || L.slot_of[1] < 0), "residents");
             cb_experts_free(&L);
         }
-        cb_stream.pin = 0;
+        cb_stream_opts defaults = cb_stream_defaults();
+        cb_experts_configure(&defaults);
         /* cap 0 keeps every expert once read. */
         CHECK(cb_experts_init(&L, &idx, 0, NEXP, 0, HID, INTER, names, err, sizeof err) == 0, "%s", err);
         for (int k = 0; k < 8; k++) cb_experts_get(&L, order[k], &v, err, sizeof err);

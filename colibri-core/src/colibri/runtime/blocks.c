@@ -403,8 +403,9 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
 /* The opt-in lossy knobs: drop each row's lowest-weight choices (chosen = -1) beyond experts_k, and beyond
  * the fewest whose weights reach experts_top_p of the row's total. Weights are left as they are. */
 static void trim_choices(cb_moe *m, int n) {
-    int K = m->top_k, keep_k = cb_stream.experts_k > 0 && cb_stream.experts_k < K ? cb_stream.experts_k : K;
-    float p = cb_stream.experts_top_p;
+    const cb_stream_opts *o = cb_experts_options();
+    int K = m->top_k, keep_k = o->experts_k > 0 && o->experts_k < K ? o->experts_k : K;
+    float p = o->experts_top_p;
     if (keep_k == K && !(p > 0 && p < 1)) return;
     for (int i = 0; i < n; i++) {
         int *c = m->chosen + (size_t)i * (size_t)K;
@@ -428,7 +429,7 @@ static void trim_choices(cb_moe *m, int n) {
 }
 
 /* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. The guesses are
- * always scored (lookahead_recall); they are read ahead only with cb_stream.lookahead, because a wrong guess costs a
+ * always scored (lookahead_recall); they are read ahead only with the lookahead option, because a wrong guess costs a
  * whole expert read on a disk that is usually the bottleneck already (docs/benchmarks.md). */
 static void predict_next(cb_moe *m, const float *x) {
     int next_layer = m->store.layer + 1;
@@ -444,7 +445,7 @@ static void predict_next(cb_moe *m, const float *x) {
             if (!S->predicted[e] && (best < 0 || m->next_logits[e] > m->next_logits[best])) best = e;
         S->predicted[best] = 1;
         cb_prof.lookahead_predicted++;
-        if (cb_stream.lookahead) cb_experts_predict(S, best);
+        if (cb_experts_options()->lookahead) cb_experts_predict(S, best);
     }
     S->has_prediction = 1;
 }
@@ -521,7 +522,7 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
     for (size_t j = 0; j < (size_t)n * (size_t)K; j++)
         if (m->chosen[j] >= 0) m->n_rows[m->chosen[j]]++;
     if (n == 1) score_prediction(m);
-    if (!cb_stream.moe_union) {
+    if (!cb_experts_options()->moe_union) {
         /* One row at a time, each expert by matvec: what batching must reproduce bit for bit. */
         for (int i = 0; i < n; i++)
             for (int e = 0; e < E; e++) {
@@ -547,7 +548,7 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
                 m->n_rows[e] = 0;   /* done: a later miss may evict it, and it must not run twice */
             }
     }
-    if (!cb_stream.moe_union && n == 1) predict_next(m, x);
+    if (!cb_experts_options()->moe_union && n == 1) predict_next(m, x);
     /* Each row sums its experts in ascending index, as transformers' index_add_ loop does. */
     memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
     for (int i = 0; i < n; i++) {

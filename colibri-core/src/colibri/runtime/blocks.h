@@ -129,8 +129,8 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
  * the end, so the visiting order never changes a bit. With prefetching on, a one-token call also applies the
  * NEXT MoE layer's router to this layer's input (the post-attention normed hidden state: the nearest stand-in
  * for the next layer's input, available one layer early) and stages its top-k as predictions.
- * cb_stream.moe_union = 0 computes row by row with matvecs instead (the test of batching). The opt-in lossy
- * knobs cb_stream.experts_k / experts_top_p drop a row's lowest-weight choices here (never by default). */
+ * The option moe_union = 0 (cb_stream_opts) computes row by row with matvecs instead (the test of batching). The
+ * opt-in lossy knobs experts_k / experts_top_p drop a row's lowest-weight choices here (never by default). */
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
 
 #endif

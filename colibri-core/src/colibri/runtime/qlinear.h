@@ -2,7 +2,7 @@
  *
  * A family never asks whether its checkpoint is quantized. cb_load_linear, cb_linear_apply and cb_embed
  * (blocks.c) dispatch here for a matrix the container stores as int8-row / int4-g64, and the expert store
- * (experts.c) locates a quantized expert as one byte span and hands its matrices to cb_qexpert_run. Float
+ * (expert_store.c) locates a quantized expert as one byte span and hands its matrices to cb_qexpert_run. Float
  * entries (bf16, f32) are stored under their source names, so the float path loads them unchanged.
  *
  * The container is opened (and its stamp validated) once per cb_st_index, on first use, and kept in
