@@ -38,17 +38,22 @@ int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n,
     int64_t dims[1] = {n};
     const cb_tensor *t = cb_st_expect(idx, name, 1, dims, err, errlen);
     if (!t) return -1;
+    return cb_load_f32(out, idx, t, (size_t)n, bytes, err, errlen);
+}
+
+int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
+                size_t errlen) {
     void *raw = cb_st_load(idx, t, err, errlen);
     if (!raw) return -1;
-    *out = malloc((size_t)n * sizeof(float));
+    *out = malloc(n * sizeof(float));
     if (!*out) {
         free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
+        snprintf(err, errlen, "out of memory loading %s", t->name);
         return -1;
     }
-    cb_convert_to_f32(*out, raw, t->dtype, (size_t)n);
+    cb_convert_to_f32(*out, raw, t->dtype, n);
     free(raw);
-    if (bytes) *bytes += (size_t)n * sizeof(float);
+    if (bytes) *bytes += n * sizeof(float);
     return 0;
 }
 
@@ -76,6 +81,10 @@ void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) { cb_m
 
 /* Dequantized per row: level * scale (e4m3 * block scale) is exact in f32. */
 void cb_embed(float *out, const cb_linear *emb, int token) { cb_matrix_row(out, &emb->m, token); }
+
+void cb_add_bias(float *y, const float *b, int n, int width) {
+    for (int i = 0; b && i < n; i++) cb_add(y + (size_t)i * (size_t)width, b, (size_t)width);
+}
 
 void cb_add(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];

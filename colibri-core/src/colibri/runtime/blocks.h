@@ -40,6 +40,9 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
 /* Load a vector of n weights converted to f32 (norm weights, biases). */
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);
+/* Load the n elements of tensor t (F32/BF16/F16, shape checked by the caller) converted to f32. */
+int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
+                size_t errlen);
 void cb_linear_free(cb_linear *l);
 /* Turn a quantized (or fp8) linear into a float (F32) one holding level * scale (e4m3 * block scale) exactly (a no-op
  * for a float one), for the blocks that read weights directly instead of through cb_linear_apply (MLA's
@@ -50,6 +53,8 @@ int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);
 void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n);
 /* out = row `token` of an embedding matrix, as f32. */
 void cb_embed(float *out, const cb_linear *emb, int token);
+/* Each of n rows of width values += b (a bias; NULL: none). */
+void cb_add_bias(float *y, const float *b, int n, int width);
 /* y[i] += x[i] */
 void cb_add(float *y, const float *x, size_t n);
 /* Clamp every element to [-limit, limit]. */

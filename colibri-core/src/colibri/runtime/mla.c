@@ -77,17 +77,12 @@ void cb_mla_free(cb_mla *m) {
     memset(m, 0, sizeof *m);
 }
 
-static void add_bias_rows(float *y, const float *b, int n, int width) {
-    if (!b) return;
-    for (int i = 0; i < n; i++) cb_add(y + (size_t)i * (size_t)width, b, (size_t)width);
-}
-
 void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int layer, const cb_rope *rope) {
     const cb_mla_shape *s = &m->s;
     int H = s->n_heads, qk = s->nope + s->rope, kvw = s->kv_lora + s->rope;
     if (s->q_lora) {
         cb_linear_apply(&m->q_a, m->q_resid, h, n);
-        add_bias_rows(m->q_resid, m->bq_a, n, s->q_lora);
+        cb_add_bias(m->q_resid, m->bq_a, n, s->q_lora);
         for (int i = 0; i < n; i++) {
             float *r = m->q_resid + (size_t)i * (size_t)s->q_lora;
             cb_rmsnorm(r, r, m->q_a_norm, s->q_lora, s->lora_eps);
@@ -97,7 +92,7 @@ void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int l
         cb_linear_apply(&m->q_proj, m->q, h, n);
     }
     cb_linear_apply(&m->kv_a, m->ckv, h, n);
-    add_bias_rows(m->ckv, m->bkv_a, n, kvw);
+    cb_add_bias(m->ckv, m->bkv_a, n, kvw);
     for (int i = 0; i < n; i++) {
         int pos = pos0 + i;
         float *q = m->q + (size_t)i * (size_t)H * (size_t)qk, *c = m->ckv + (size_t)i * (size_t)kvw;
@@ -162,5 +157,5 @@ void cb_mla_attend(cb_mla *m, float *out, int n, int pos0, const cb_kv *kv, int 
     attend_job j = {m, kv, layer, pos0, sel_stride, sel, n_sel};
     cb_parallel_for(n * m->s.n_heads, attend_one, &j);
     cb_linear_apply(&m->o, out, m->att, n);
-    add_bias_rows(out, m->bo, n, m->s.hidden);
+    cb_add_bias(out, m->bo, n, m->s.hidden);
 }

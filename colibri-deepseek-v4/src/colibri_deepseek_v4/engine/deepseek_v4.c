@@ -122,18 +122,7 @@ static int load_f32(float **out, const cb_st_index *idx, const char *name, int n
     }
     size_t n = 1;
     for (int i = 0; i < ndim; i++) n *= (size_t)dims[i];
-    void *raw = cb_st_load(idx, t, err, errlen);
-    if (!raw) return -1;
-    *out = malloc(n * sizeof(float));
-    if (!*out) {
-        free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
-        return -1;
-    }
-    cb_convert_to_f32(*out, raw, t->dtype, n);
-    free(raw);
-    if (bytes) *bytes += n * sizeof(float);
-    return 0;
+    return cb_load_f32(out, idx, t, n, bytes, err, errlen);
 }
 
 /* The hash-routing table [vocab, top_k] (I64 or I32 on disk), checked against the expert count. */
