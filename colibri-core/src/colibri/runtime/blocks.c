@@ -232,6 +232,27 @@ void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int po
 
 /* ---- attention ---- */
 
+void cb_qkv_apply(const cb_qkvo *p, float *q, float *k, float *v, const float *h, int n) {
+    cb_linear_apply(&p->wq, q, h, n);
+    cb_linear_apply(&p->wk, k, h, n);
+    cb_linear_apply(&p->wv, v, h, n);
+    cb_add_bias(q, p->bq, n, p->wq.m.rows);
+    cb_add_bias(k, p->bk, n, p->wk.m.rows);
+    cb_add_bias(v, p->bv, n, p->wv.m.rows);
+}
+
+int cb_attn_shape_init(cb_attn_shape *s, int hidden, int n_heads, int n_kv_heads, int head_dim, char *err,
+                       size_t errlen) {
+    if (!n_kv_heads) n_kv_heads = n_heads;
+    if (!head_dim && n_heads > 0) head_dim = hidden / n_heads;
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2) {
+        snprintf(err, errlen, "--set num_key_value_heads must divide num_attention_heads, and head_dim be >= 2");
+        return -1;
+    }
+    *s = (cb_attn_shape){n_heads, n_kv_heads, head_dim, 1.0f / sqrtf((float)head_dim)};
+    return 0;
+}
+
 float *cb_attn_scratch(int max_batch, int n_heads, int ctx) {
     return malloc((size_t)max_batch * (size_t)n_heads * (size_t)ctx * sizeof(float));
 }

@@ -86,6 +86,18 @@ typedef struct {
     float scale;               /* usually head_dim^-0.5 */
 } cb_attn_shape;
 
+/* GQA's projections; the biases are NULL when the model has none. */
+typedef struct {
+    cb_linear wq, wk, wv, wo;
+    float *bq, *bk, *bv, *bo;
+} cb_qkvo;
+
+/* q, k, v = the biased projections of n rows h. */
+void cb_qkv_apply(const cb_qkvo *p, float *q, float *k, float *v, const float *h, int n);
+/* The shape of GQA over `hidden`: head_dim 0 means hidden / n_heads, n_kv_heads 0 means n_heads; scale
+ * head_dim^-0.5. 0, or -1 with a message naming the --set keys out of range. */
+int cb_attn_shape_init(cb_attn_shape *s, int hidden, int n_heads, int n_kv_heads, int head_dim, char *err,
+                       size_t errlen);
 /* Scratch for cb_attend: scores for max_batch rows x n_heads x ctx. */
 float *cb_attn_scratch(int max_batch, int n_heads, int ctx);
 

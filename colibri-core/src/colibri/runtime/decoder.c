@@ -145,6 +145,12 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->h = malloc(B * H * sizeof(float));
     d->proj = malloc(B * H * sizeof(float));
     if (!d->x || !d->h || !d->proj) return cb_oom(err, errlen, "activations");
+    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) {
+        float **buf = (float **)((char *)m + s->at);
+        size_t floats = B * (size_t)s->mult * (size_t)field_int(m, s->width);
+        if (floats && !(*buf = malloc(floats * sizeof(float))))
+            return cb_oom(err, errlen, "activations");
+    }
     info->vocab = d->vocab;
     info->n_layers = d->n_layers;
     info->dense_bytes = d->dense_bytes;
@@ -177,6 +183,7 @@ void cb_decoder_unload(void *model) {
         if (r->free_layer) r->free_layer(model, layer);
     }
     if (r->free_model) r->free_model(model);
+    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) free(*(float **)((char *)model + s->at));
     free(layers);
     for (int l = 0; l < d->n_layers; l++) {
         if (d->attn_norm) free(d->attn_norm[l]);

@@ -61,6 +61,19 @@ int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table,
 /* Free what cb_load_tensors loaded (or any part of it). */
 void cb_free_tensors(void *layer, const cb_tensor_spec *table);
 
+/* ---- per-model scratch, declared ---- */
+
+/* A float buffer of max_batch x mult x (the int field at width) the decoder allocates after the layers and frees
+ * (none when that is 0). */
+typedef struct {
+    size_t at;                 /* offset of the float * in the model struct; 0 ends a table (the decoder is there) */
+    size_t width;
+    int mult;
+} cb_scratch_spec;
+
+#define CB_SCRATCH(MT, f, width_field, mult) {offsetof(MT, f), offsetof(MT, width_field), mult}
+#define CB_SCRATCH_END {0, 0, 0}
+
 /* ---- the feed-forward half of a layer ---- */
 
 typedef enum { CB_FFN_NONE = 0, CB_FFN_DENSE, CB_FFN_MOE, CB_FFN_GROUPED } cb_ffn_kind;
@@ -123,6 +136,7 @@ typedef struct cb_recipe {
     size_t layer_size;         /* sizeof the family's layer struct; the decoder allocates n_layers of them */
     size_t layers_at;          /* offset of the model struct's pointer to them */
     const cb_tensor_spec *tensors;   /* every layer's own tensors, loaded after its norms (may be NULL) */
+    const cb_scratch_spec *scratch;  /* the mixer's activations (may be NULL) */
     cb_ffn_kind routed;        /* CB_FFN_MOE or CB_FFN_GROUPED for the layers that route (all, or mlp_layers M) */
     const char *moe_prefix;    /* printf format of the layer (NULL: "model.layers.%d.mlp.") */
     /* dense layers: the first prefix (printf of the layer) whose gate_proj exists, else the last (none given:

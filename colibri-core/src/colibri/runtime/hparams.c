@@ -109,21 +109,18 @@ int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, si
         void *at = base + s->offset;
         switch (s->type) {
         case CB_HP_INT:
-        case CB_HP_INT_OPT: {
-            int *v = at;
-            if (s->type == CB_HP_INT_OPT) *v = (int)s->def;
-            if (get_int(hp, s->key, v, s->type == CB_HP_INT, err, errlen) || check_range(s, *v, err, errlen))
+        case CB_HP_INT_OPT:
+            if (s->type == CB_HP_INT_OPT) *(int *)at = (int)s->def;
+            if (get_int(hp, s->key, at, s->type == CB_HP_INT, err, errlen) || check_range(s, *(int *)at, err, errlen))
                 return -1;
             break;
-        }
         case CB_HP_FLOAT:
-        case CB_HP_FLOAT_OPT: {
-            float *v = at;
-            if (s->type == CB_HP_FLOAT_OPT) *v = (float)s->def;
-            if (get_float(hp, s->key, v, s->type == CB_HP_FLOAT, err, errlen) || check_range(s, *v, err, errlen))
+        case CB_HP_FLOAT_OPT:
+            if (s->type == CB_HP_FLOAT_OPT) *(float *)at = (float)s->def;
+            if (get_float(hp, s->key, at, s->type == CB_HP_FLOAT, err, errlen) ||
+                check_range(s, *(float *)at, err, errlen))
                 return -1;
             break;
-        }
         case CB_HP_BOOL:
             *(int *)at = (int)s->def;
             if (cb_hp_bool_opt(hp, s->key, at, err, errlen)) return -1;

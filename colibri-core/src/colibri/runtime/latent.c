@@ -37,6 +37,11 @@ void cb_latent_free(cb_latent *a) {
     a->has_indexer = 0;
 }
 
+void cb_latent_free_layer(void *model, void *layer) {
+    (void)model;
+    cb_latent_free(layer);
+}
+
 int cb_latent_sel_init(cb_latent_sel *sel, const cb_latent_shape *s, int max_batch) {
     if (!s->sparse) return 0;
     sel->sel = malloc((size_t)max_batch * (size_t)s->dsa.topk * sizeof(int));

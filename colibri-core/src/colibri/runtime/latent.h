@@ -53,6 +53,8 @@ void cb_latent_shape_finish(cb_latent_shape *s, int hidden);
 int cb_latent_init(cb_latent *a, const cb_st_index *idx, int l, const cb_latent_shape *s, int indexer, int max_batch,
                    int ctx, size_t *bytes, char *err, size_t errlen);
 void cb_latent_free(cb_latent *a);
+/* A cb_recipe free_layer for recipes whose layers are cb_latent. */
+void cb_latent_free_layer(void *model, void *layer);
 int cb_latent_sel_init(cb_latent_sel *sel, const cb_latent_shape *s, int max_batch);
 void cb_latent_sel_free(cb_latent_sel *sel);
 /* out = attention of rows h[0..n) at positions pos0.. on cache layer kv_layer. rope rotates the queries and keys

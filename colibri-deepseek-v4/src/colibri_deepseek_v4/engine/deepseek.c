@@ -72,11 +72,6 @@ static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, si
     return 0;
 }
 
-static void free_layer(void *model, void *layer) {
-    (void)model;
-    cb_latent_free(layer);
-}
-
 static void free_model(void *ptr) {
     ds *m = ptr;
     cb_rope_free(&m->rope);
@@ -87,7 +82,7 @@ static void free_model(void *ptr) {
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(ds), .layer_size = sizeof(cb_latent), .layers_at = offsetof(ds, layers),
     .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish, .mixer = attention,
-    .free_layer = free_layer, .free_model = free_model,
+    .free_layer = cb_latent_free_layer, .free_model = free_model,
 };
 
 static int ds_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {

@@ -11,7 +11,6 @@
  * The plugin resolves config.json into --set values; per-layer kinds arrive as strings with one letter per layer:
  * mlp_layers (D dense, M MoE) and, for DSA, indexer_layers (F runs its own indexer, S reuses the previous one's).
  */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,8 +22,8 @@
 typedef enum { ATTN_GQA = 0, ATTN_MLA = 1, ATTN_DSA = 2 } attn_kind;
 
 typedef struct {
-    cb_linear wq, wk, wv, wo;  /* GQA */
-    float *bq, *bk, *bv, *q_norm, *k_norm;
+    cb_qkvo p;                 /* GQA */
+    float *q_norm, *k_norm;
     cb_latent latent;          /* MLA / DSA */
 } glm_layer;
 
@@ -34,7 +33,7 @@ typedef struct {
     attn_kind attn;
     int n_heads, attention_bias;
     /* GQA */
-    int n_kv_heads, head_dim, qk_norm, qw, kv_width, is_gqa, gqa_bias, gqa_qk_norm;
+    int n_kv_heads, head_dim, qk_norm, qw, kv_width, gqa_kv, is_gqa, gqa_bias, gqa_qk_norm;
     /* MLA / DSA */
     cb_latent_shape lat;
     int interleave;
@@ -63,28 +62,27 @@ static const cb_hp_spec DSA_HPARAMS[] = {
 
 #define SA "model.layers.%d.self_attn."
 static const cb_tensor_spec GQA_TENSORS[] = {
-    CB_LINEAR_IF(SA "q_proj.weight", glm_layer, wq, glm, qw, d.hidden, is_gqa),
-    CB_LINEAR_IF(SA "k_proj.weight", glm_layer, wk, glm, kv_width, d.hidden, is_gqa),
-    CB_LINEAR_IF(SA "v_proj.weight", glm_layer, wv, glm, kv_width, d.hidden, is_gqa),
-    CB_LINEAR_IF(SA "o_proj.weight", glm_layer, wo, glm, d.hidden, qw, is_gqa),
-    CB_VECTOR_IF(SA "q_proj.bias", glm_layer, bq, glm, qw, gqa_bias),
-    CB_VECTOR_IF(SA "k_proj.bias", glm_layer, bk, glm, kv_width, gqa_bias),
-    CB_VECTOR_IF(SA "v_proj.bias", glm_layer, bv, glm, kv_width, gqa_bias),
+    CB_LINEAR_IF(SA "q_proj.weight", glm_layer, p.wq, glm, qw, d.hidden, is_gqa),
+    CB_LINEAR_IF(SA "k_proj.weight", glm_layer, p.wk, glm, kv_width, d.hidden, is_gqa),
+    CB_LINEAR_IF(SA "v_proj.weight", glm_layer, p.wv, glm, kv_width, d.hidden, is_gqa),
+    CB_LINEAR_IF(SA "o_proj.weight", glm_layer, p.wo, glm, d.hidden, qw, is_gqa),
+    CB_VECTOR_IF(SA "q_proj.bias", glm_layer, p.bq, glm, qw, gqa_bias),
+    CB_VECTOR_IF(SA "k_proj.bias", glm_layer, p.bk, glm, kv_width, gqa_bias),
+    CB_VECTOR_IF(SA "v_proj.bias", glm_layer, p.bv, glm, kv_width, gqa_bias),
     CB_VECTOR_IF(SA "q_norm.weight", glm_layer, q_norm, glm, head_dim, gqa_qk_norm),
     CB_VECTOR_IF(SA "k_norm.weight", glm_layer, k_norm, glm, head_dim, gqa_qk_norm),
     CB_TENSORS_END,
 };
 
-static int setup_gqa(glm *m) {
-    if (!m->n_kv_heads) m->n_kv_heads = m->n_heads;
-    if (!m->head_dim) m->head_dim = m->d.hidden / m->n_heads;
-    if (m->n_kv_heads < 1 || m->n_heads % m->n_kv_heads || m->head_dim < 2) return -1;
+static int setup_gqa(glm *m, char *err, size_t errlen) {
+    if (cb_attn_shape_init(&m->gqa, m->d.hidden, m->n_heads, m->n_kv_heads, m->head_dim, err, errlen)) return -1;
+    m->n_kv_heads = m->gqa.n_kv_heads;
+    m->head_dim = m->gqa.head_dim;
     m->is_gqa = 1;
     m->gqa_bias = m->attention_bias;
     m->gqa_qk_norm = m->qk_norm;
     m->qw = m->n_heads * m->head_dim;
-    m->kv_width = m->n_kv_heads * m->head_dim;
-    m->gqa = (cb_attn_shape){m->n_heads, m->n_kv_heads, m->head_dim, 1.0f / sqrtf((float)m->head_dim)};
+    m->kv_width = m->gqa_kv = m->n_kv_heads * m->head_dim;
     return 0;
 }
 
@@ -97,11 +95,7 @@ static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
         return -1;
     }
     if (m->attn == ATTN_GQA) {
-        if (cb_hp_read(hp, GQA_HPARAMS, m, err, errlen)) return -1;
-        if (setup_gqa(m)) {
-            snprintf(err, errlen, "--set num_key_value_heads must divide num_attention_heads; head_dim >= 2");
-            return -1;
-        }
+        if (cb_hp_read(hp, GQA_HPARAMS, m, err, errlen) || setup_gqa(m, err, errlen)) return -1;
         /* GLM-4.5 rotates half-split pairs. */
         return cb_rope_init(&m->rope, hp, m->head_dim, 1, err, errlen);
     }
@@ -129,31 +123,26 @@ static int load_layer(void *ptr, int l, char *err, size_t errlen) {
                           &m->d.dense_bytes, err, errlen);
 }
 
+/* GQA only (qw and kv_width are 0 for the latent kinds, whose scratch is their own). */
+static const cb_scratch_spec SCRATCH[] = {
+    CB_SCRATCH(glm, q, qw, 1), CB_SCRATCH(glm, att, qw, 1), CB_SCRATCH(glm, k, gqa_kv, 1),
+    CB_SCRATCH(glm, v, gqa_kv, 1), CB_SCRATCH_END,
+};
+
 static int finish(void *ptr, cb_model_info *info, char *err, size_t errlen) {
     glm *m = ptr;
     info->kv_dim = m->kv_width;
     info->kv_k_only = m->attn != ATTN_GQA;
     if (m->attn != ATTN_GQA)
         return cb_latent_sel_init(&m->sel, &m->lat, m->d.max_batch) ? cb_oom(err, errlen, "activations") : 0;
-    size_t B = (size_t)m->d.max_batch, qw = (size_t)m->qw, kw = (size_t)m->kv_width;
-    m->q = malloc(B * qw * sizeof(float));
-    m->att = malloc(B * qw * sizeof(float));
-    m->k = malloc(B * kw * sizeof(float));
-    m->v = malloc(B * kw * sizeof(float));
     m->scores = cb_attn_scratch(m->d.max_batch, m->n_heads, m->d.ctx);
-    return m->q && m->att && m->k && m->v && m->scores ? 0 : cb_oom(err, errlen, "activations");
+    return m->scores ? 0 : cb_oom(err, errlen, "activations");
 }
 
 /* GLM-4.5 attention: biased projections, optional per-head q/k RMSNorm, half-split partial RoPE. */
 static void gqa_forward(glm *m, glm_layer *L, cb_kv *kv, int l, int n, int pos0) {
     int qw = m->qw, kw = m->kv_width, hd = m->head_dim;
-    const float *h = m->d.h;
-    cb_linear_apply(&L->wq, m->q, h, n);
-    cb_linear_apply(&L->wk, m->k, h, n);
-    cb_linear_apply(&L->wv, m->v, h, n);
-    cb_add_bias(m->q, L->bq, n, qw);
-    cb_add_bias(m->k, L->bk, n, kw);
-    cb_add_bias(m->v, L->bv, n, kw);
+    cb_qkv_apply(&L->p, m->q, m->k, m->v, m->d.h, n);
     for (int i = 0; i < n; i++) {
         float *q = m->q + (size_t)i * qw, *k = m->k + (size_t)i * kw;
         if (m->qk_norm) {
@@ -165,7 +154,7 @@ static void gqa_forward(glm *m, glm_layer *L, cb_kv *kv, int l, int n, int pos0)
     }
     cb_kv_store(kv, l, pos0, n, m->k, m->v);
     cb_attend(m->att, m->q, kv, l, pos0, n, &m->gqa, m->scores);
-    cb_linear_apply(&L->wo, m->d.proj, m->att, n);
+    cb_linear_apply(&L->p.wo, m->d.proj, m->att, n);
 }
 
 static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, size_t errlen) {
@@ -184,13 +173,13 @@ static void free_layer(void *model, void *layer) {
 static void free_model(void *ptr) {
     glm *m = ptr;
     cb_rope_free(&m->rope);
-    free(m->q); free(m->k); free(m->v); free(m->att); free(m->scores);
+    free(m->scores);
     cb_latent_sel_free(&m->sel);
 }
 
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(glm), .layer_size = sizeof(glm_layer), .layers_at = offsetof(glm, layers),
-    .tensors = GQA_TENSORS, .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish,
+    .tensors = GQA_TENSORS, .scratch = SCRATCH, .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish,
     .mixer = attention, .free_layer = free_layer, .free_model = free_model,
 };
 

@@ -91,16 +91,15 @@ static int load_layer(void *ptr, int l, char *err, size_t errlen) {
     return load_kda(m, L, l, err, errlen);
 }
 
+static const cb_scratch_spec SCRATCH[] = {
+    CB_SCRATCH(kimi_linear, lx, kda_width, 3), CB_SCRATCH(kimi_linear, lf, kda_width, 1),
+    CB_SCRATCH(kimi_linear, lg, kda_width, 1), CB_SCRATCH(kimi_linear, lo, kda_width, 1),
+    CB_SCRATCH(kimi_linear, lb, kda.n_heads, 1), CB_SCRATCH(kimi_linear, low, kda.head_dim, 1), CB_SCRATCH_END,
+};
+
 static int finish(void *ptr, cb_model_info *info, char *err, size_t errlen) {
+    (void)err, (void)errlen;
     kimi_linear *m = ptr;
-    size_t B = (size_t)m->d.max_batch, W = (size_t)m->kda_width, D = (size_t)m->kda.head_dim;
-    m->lx = malloc(B * 3 * W * sizeof(float));
-    m->lf = malloc(B * W * sizeof(float));
-    m->lg = malloc(B * W * sizeof(float));
-    m->lo = malloc(B * W * sizeof(float));
-    m->lb = malloc(B * (size_t)m->kda.n_heads * sizeof(float));
-    m->low = malloc(B * D * sizeof(float));
-    if (!m->lx || !m->lf || !m->lg || !m->lo || !m->lb || !m->low) return cb_oom(err, errlen, "activations");
     info->n_layers = m->n_full;
     info->kv_dim = m->attn.kv_width;
     info->kv_k_only = 1;
@@ -150,12 +149,6 @@ static void free_layer(void *model, void *layer) {
     cb_kda_free(&L->kda);
 }
 
-static void free_model(void *ptr) {
-    kimi_linear *m = ptr;
-    float *bufs[] = {m->lx, m->lf, m->lb, m->lg, m->lo, m->low};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
-}
-
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(kimi_linear), .layer_size = sizeof(kl_layer),
     .layers_at = offsetof(kimi_linear, layers), .routed = CB_FFN_GROUPED,
@@ -163,7 +156,7 @@ static const cb_recipe RECIPE = {
     /* The original checkpoints keep a dense layer under mlp.; transformers saves it under block_sparse_moe. */
     .dense_prefixes = {"model.layers.%d.mlp.", "model.layers.%d.block_sparse_moe."},
     .setup = setup, .load_layer = load_layer, .finish = finish, .mixer = mixer, .free_layer = free_layer,
-    .free_model = free_model,
+    .scratch = SCRATCH,
 };
 
 static int kl_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {

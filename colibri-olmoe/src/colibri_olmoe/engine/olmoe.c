@@ -5,16 +5,14 @@
  * OLMoE's q_norm/k_norm are RMSNorms over the full projected width (all heads at once), not per head; the
  * router is a softmax over all experts, top-k, renormalised only when norm_topk_prob.
  */
-#include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "decoder.h"
 #include "engine.h"
 
 typedef struct {
-    float *q_norm, *k_norm, *bq, *bk, *bv, *bo;   /* biases only with attention_bias */
-    cb_linear wq, wk, wv, wo;
+    float *q_norm, *k_norm;
+    cb_qkvo p;                 /* biases only with attention_bias */
 } olmoe_layer;
 
 typedef struct {
@@ -38,41 +36,33 @@ static const cb_hp_spec HPARAMS[] = {
 static const cb_tensor_spec TENSORS[] = {
     CB_VECTOR(SA "q_norm.weight", olmoe_layer, q_norm, olmoe, qw),
     CB_VECTOR(SA "k_norm.weight", olmoe_layer, k_norm, olmoe, kw),
-    CB_LINEAR(SA "q_proj.weight", olmoe_layer, wq, olmoe, qw, d.hidden),
-    CB_LINEAR(SA "k_proj.weight", olmoe_layer, wk, olmoe, kw, d.hidden),
-    CB_LINEAR(SA "v_proj.weight", olmoe_layer, wv, olmoe, kw, d.hidden),
-    CB_LINEAR(SA "o_proj.weight", olmoe_layer, wo, olmoe, d.hidden, qw),
-    CB_VECTOR_IF(SA "q_proj.bias", olmoe_layer, bq, olmoe, qw, attention_bias),
-    CB_VECTOR_IF(SA "k_proj.bias", olmoe_layer, bk, olmoe, kw, attention_bias),
-    CB_VECTOR_IF(SA "v_proj.bias", olmoe_layer, bv, olmoe, kw, attention_bias),
-    CB_VECTOR_IF(SA "o_proj.bias", olmoe_layer, bo, olmoe, d.hidden, attention_bias),
+    CB_LINEAR(SA "q_proj.weight", olmoe_layer, p.wq, olmoe, qw, d.hidden),
+    CB_LINEAR(SA "k_proj.weight", olmoe_layer, p.wk, olmoe, kw, d.hidden),
+    CB_LINEAR(SA "v_proj.weight", olmoe_layer, p.wv, olmoe, kw, d.hidden),
+    CB_LINEAR(SA "o_proj.weight", olmoe_layer, p.wo, olmoe, d.hidden, qw),
+    CB_VECTOR_IF(SA "q_proj.bias", olmoe_layer, p.bq, olmoe, qw, attention_bias),
+    CB_VECTOR_IF(SA "k_proj.bias", olmoe_layer, p.bk, olmoe, kw, attention_bias),
+    CB_VECTOR_IF(SA "v_proj.bias", olmoe_layer, p.bv, olmoe, kw, attention_bias),
+    CB_VECTOR_IF(SA "o_proj.bias", olmoe_layer, p.bo, olmoe, d.hidden, attention_bias),
     CB_TENSORS_END,
 };
 
 static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     olmoe *m = ptr;
-    if (m->n_heads % m->n_kv_heads) {
-        snprintf(err, errlen, "--set num_attention_heads must be a multiple of num_key_value_heads");
-        return -1;
-    }
-    if (!m->head_dim) m->head_dim = m->d.hidden / m->n_heads;
-    if (m->head_dim < 2) {
-        snprintf(err, errlen, "--set head_dim out of range");
-        return -1;
-    }
+    if (cb_attn_shape_init(&m->attn, m->d.hidden, m->n_heads, m->n_kv_heads, m->head_dim, err, errlen)) return -1;
+    m->head_dim = m->attn.head_dim;
     m->qw = m->n_heads * m->head_dim;
     m->kw = m->n_kv_heads * m->head_dim;
-    m->attn = (cb_attn_shape){m->n_heads, m->n_kv_heads, m->head_dim, 1.0f / sqrtf((float)m->head_dim)};
     return cb_rope_init(&m->rope, hp, m->head_dim, 1, err, errlen);
 }
 
+static const cb_scratch_spec SCRATCH[] = {
+    CB_SCRATCH(olmoe, q, qw, 1), CB_SCRATCH(olmoe, qn, qw, 1), CB_SCRATCH(olmoe, att, qw, 1),
+    CB_SCRATCH(olmoe, k, kw, 1), CB_SCRATCH(olmoe, kn, kw, 1), CB_SCRATCH(olmoe, v, kw, 1), CB_SCRATCH_END,
+};
+
 static int finish(void *ptr, cb_model_info *info, char *err, size_t errlen) {
     olmoe *m = ptr;
-    size_t B = (size_t)m->d.max_batch, qw = (size_t)m->qw, kw = (size_t)m->kw;
-    float **bufs[] = {&m->q, &m->qn, &m->att, &m->k, &m->kn, &m->v};
-    size_t widths[] = {qw, qw, qw, kw, kw, kw};
-    for (int i = 0; i < 6; i++)
-        if (!(*bufs[i] = malloc(B * widths[i] * sizeof(float)))) return cb_oom(err, errlen, "activations");
     if (!(m->scores = cb_attn_scratch(m->d.max_batch, m->n_heads, m->d.ctx))) return cb_oom(err, errlen, "scores");
     info->kv_dim = m->kw;
     return 0;
@@ -84,13 +74,7 @@ static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, si
     olmoe *m = ptr;
     olmoe_layer *L = &m->layers[l];
     int qw = m->qw, kw = m->kw;
-    float *h = m->d.h;
-    cb_linear_apply(&L->wq, m->q, h, n);
-    cb_linear_apply(&L->wk, m->k, h, n);
-    cb_linear_apply(&L->wv, m->v, h, n);
-    cb_add_bias(m->q, L->bq, n, qw);
-    cb_add_bias(m->k, L->bk, n, kw);
-    cb_add_bias(m->v, L->bv, n, kw);
+    cb_qkv_apply(&L->p, m->q, m->k, m->v, m->d.h, n);
     for (int i = 0; i < n; i++) {
         float *q = m->qn + (size_t)i * qw, *k = m->kn + (size_t)i * kw;
         cb_rmsnorm(q, m->q + (size_t)i * qw, L->q_norm, qw, m->d.eps);
@@ -105,20 +89,20 @@ static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, si
     }
     cb_kv_store(kv, l, pos0, n, m->kn, m->v);
     cb_attend(m->att, m->qn, kv, l, pos0, n, &m->attn, m->scores);
-    cb_linear_apply(&L->wo, m->d.proj, m->att, n);
-    cb_add_bias(m->d.proj, L->bo, n, m->d.hidden);
+    cb_linear_apply(&L->p.wo, m->d.proj, m->att, n);
+    cb_add_bias(m->d.proj, L->p.bo, n, m->d.hidden);
     return 0;
 }
 
 static void free_model(void *ptr) {
     olmoe *m = ptr;
     cb_rope_free(&m->rope);
-    free(m->q); free(m->k); free(m->v); free(m->qn); free(m->kn); free(m->att); free(m->scores);
+    free(m->scores);
 }
 
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(olmoe), .layer_size = sizeof(olmoe_layer),
-    .layers_at = offsetof(olmoe, layers), .tensors = TENSORS, .routed = CB_FFN_MOE,
+    .layers_at = offsetof(olmoe, layers), .tensors = TENSORS, .scratch = SCRATCH, .routed = CB_FFN_MOE,
     .setup = setup, .finish = finish, .mixer = attention, .free_model = free_model,
 };
 
