@@ -179,8 +179,8 @@ static void free_model(void *ptr) {
 
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(glm), .layer_size = sizeof(glm_layer), .layers_at = offsetof(glm, layers),
-    .tensors = GQA_TENSORS, .scratch = SCRATCH, .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish,
-    .mixer = attention, .free_layer = free_layer, .free_model = free_model,
+    .tensors = GQA_TENSORS, .scratch = SCRATCH, .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer,
+    .finish = finish, .mixer = attention, .free_layer = free_layer, .free_model = free_model,
 };
 
 static int glm_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {

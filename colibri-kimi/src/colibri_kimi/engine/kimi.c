@@ -63,7 +63,8 @@ static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, si
 static void free_model(void *ptr) { cb_rope_free(&((kimi *)ptr)->rope); }
 
 static const cb_recipe RECIPE = {
-    .hparams = HPARAMS, .model_size = sizeof(kimi), .layer_size = sizeof(cb_latent), .layers_at = offsetof(kimi, layers),
+    .hparams = HPARAMS, .model_size = sizeof(kimi), .layer_size = sizeof(cb_latent),
+    .layers_at = offsetof(kimi, layers),
     .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish, .mixer = attention,
     .free_layer = cb_latent_free_layer, .free_model = free_model,
 };
