@@ -93,11 +93,11 @@ def lru_hits(tokens: np.ndarray, cap: int, pinned: frozenset = frozenset()) -> t
     return hits, lookups
 
 
-HEAT_DECAY, PIN_MARGIN, REPIN_EVERY = 0.98, 1.25, 8      # experts.c's constants and --repin-every default
+HEAT_DECAY, PIN_MARGIN, REPIN_EVERY = 0.98, 1.25, 8      # expert_hotset.c's constants and --repin-every default
 
 
 def hot_set_hits(tokens: np.ndarray, cap: int, learned: np.ndarray) -> tuple[int, int]:
-    """(hits, lookups) of one layer's cache under the engine's hot set (experts.c): heat = routing count decayed
+    """(hits, lookups) of one layer's cache under the engine's hot set (expert_hotset.c): heat = routing count decayed
     by HEAT_DECAY per access, seeded from the ``learned`` shares; a miss evicts the coldest unpinned resident
     (least recent among equals); every REPIN_EVERY tokens the hottest take half the slots, with hysteresis."""
     heat = learned / (1 - HEAT_DECAY)

@@ -218,7 +218,7 @@ static void test_load_linear(void) {
     cb_linear l;
     size_t bytes = 0;
     CHECK(cb_load_linear(&l, &idx, "proj.weight", R, C, &bytes, err, sizeof err) == 0, "%s", err);
-    CHECK(l.fp8 && !l.quantized && bytes == (size_t)R * C + ns * 4, "fp8 linear, bytes %zu", bytes);
+    CHECK(l.m.kind == CB_MAT_FP8 && bytes == (size_t)R * C + ns * 4, "fp8 linear, bytes %zu", bytes);
     float x[2 * C], y[2 * R], want[2 * R];
     for (int i = 0; i < 2 * C; i++) x[i] = rnd_unit();
     cb_linear_apply(&l, y, x, 2);
@@ -227,7 +227,7 @@ static void test_load_linear(void) {
     float row[C];
     cb_embed(row, &l, 129);
     CHECK(!memcmp(row, f.deq + 129 * C, sizeof row), "cb_embed dequantizes a row");
-    CHECK(cb_linear_dequantize(&l, err, sizeof err) == 0 && !l.fp8 && l.dt == CB_F32, "%s", err);
+    CHECK(cb_linear_dequantize(&l, err, sizeof err) == 0 && l.m.kind == CB_MAT_FLOAT && l.m.f.dt == CB_F32, "%s", err);
     CHECK(!memcmp(l.w, f.deq, (size_t)R * C * sizeof(float)), "cb_linear_dequantize is exact");
     cb_linear_free(&l);
     /* Refusals name the tensor and the problem. */
@@ -294,7 +294,7 @@ static void test_experts(void) {
         CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "%s", err);
         cb_expert_layer L;
         CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
-        CHECK(L.loc[0].fp8 && L.loc[0].single_read == (layout == 0) && L.loc[0].two_spans == (layout == 1),
+        CHECK(L.loc[0].kind == CB_MAT_FP8 && L.loc[0].single_read == (layout == 0) && L.loc[0].two_spans == (layout == 1),
               "layout %d: single %d two %d", layout, L.loc[0].single_read, L.loc[0].two_spans);
         int order[] = {0, 1, 0, 2, 3, 1};
         uint64_t expert_bytes = 0;
@@ -303,9 +303,9 @@ static void test_experts(void) {
         for (int k = 0; k < 6; k++) {
             cb_expert_view v;
             CHECK(cb_experts_get(&L, order[k], &v, err, sizeof err) == 0, "%s", err);
-            CHECK(v.fp8 && !v.quantized, "fp8 view");
-            for (int m = 0; m < 3 && v.fp8; m++) {
-                const cb_fp8matrix *W = &v.f8[m];
+            CHECK(v.m[0].kind == CB_MAT_FP8 && v.m[1].kind == CB_MAT_FP8 && v.m[2].kind == CB_MAT_FP8, "fp8 view");
+            for (int m = 0; m < 3 && v.m[m].kind == CB_MAT_FP8; m++) {
+                const cb_fp8matrix *W = &v.m[m].f8;
                 CHECK(W->rows == fx[order[k]][m].W.rows && W->cols == fx[order[k]][m].W.cols, "view shape");
                 float *row = malloc((size_t)W->cols * sizeof(float));
                 int ok = 1;

@@ -9,16 +9,16 @@
 enum { HID = 24, NH = 4, NKV = 2, HD = 8, ROT = 4, T = 9, CTX = 16 };
 
 static cb_linear lin(int rows, int cols) {
-    cb_linear l = {.w = rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0), .dt = CB_F32,
-                   .rows = rows, .cols = cols};
+    cb_linear l = {.w = rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0)};
+    l.m = cb_matrix_float(l.w, CB_F32, rows, cols);
     return l;
 }
 
 static void matvec_d(double *y, const cb_linear *l, const double *x, const float *bias) {
     const float *w = l->w;
-    for (int r = 0; r < l->rows; r++) {
+    for (int r = 0; r < l->m.rows; r++) {
         double acc = bias ? bias[r] : 0;
-        for (int c = 0; c < l->cols; c++) acc += (double)w[r * l->cols + c] * x[c];
+        for (int c = 0; c < l->m.cols; c++) acc += (double)w[r * l->m.cols + c] * x[c];
         y[r] = acc;
     }
 }
@@ -98,7 +98,7 @@ int main(void) {
     CHECK(!memcmp(batched, single, T * HID * 4), "batched rows differ from one row at a time");
     /* The gate matters: without it the same block gives a different answer. */
     a.c.output_gate = 0;
-    a.wq.rows = NH * HD;     /* first half of the rows as a plain q_proj */
+    a.wq.m.rows = NH * HD;     /* first half of the rows as a plain q_proj */
     cb_gqa_forward(&a, &s, single, h, T, &kv2, 0, 0, &rope);
     CHECK(memcmp(batched, single, T * HID * 4) != 0, "output gate had no effect");
 

@@ -8,15 +8,15 @@
 enum { HID = 20, INTER = 12, T = 5 };
 
 static cb_linear lin(int rows, int cols) {
-    cb_linear l = {.w = rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0), .dt = CB_F32,
-                   .rows = rows, .cols = cols};
+    cb_linear l = {.w = rand_floats((size_t)rows * cols, 1.0f / sqrtf((float)cols), 0)};
+    l.m = cb_matrix_float(l.w, CB_F32, rows, cols);
     return l;
 }
 
 static double dot(const cb_linear *l, int r, const double *x) {
     const float *w = l->w;
     double acc = 0;
-    for (int c = 0; c < l->cols; c++) acc += (double)w[r * l->cols + c] * x[c];
+    for (int c = 0; c < l->m.cols; c++) acc += (double)w[r * l->m.cols + c] * x[c];
     return acc;
 }
 

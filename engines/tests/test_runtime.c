@@ -315,7 +315,7 @@ static void test_experts(void) {
             CHECK((L.count.hits > hits) == expect_hit[k], "access %d of expert %d", k, order[k]);
             for (int m = 0; m < 3; m++)
                 for (int i = 0; i < HID * INTER; i++)
-                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "expert %d matrix %d", order[k], m);
+                    CHECK(((const float *)v.m[m].f.w)[i] == expert_value(order[k], m, i), "expert %d matrix %d", order[k], m);
         }
         CHECK(L.count.hits == 2 && L.count.misses == 6, "hits %llu misses %llu", (unsigned long long)L.count.hits,
               (unsigned long long)L.count.misses);
@@ -340,7 +340,7 @@ static void test_experts(void) {
                 }
             for (int m = 0; m < 3; m++)
                 for (int i = 0; i < HID * INTER; i++)
-                    CHECK(((const float *)v.w[m])[i] == expert_value(order[k], m, i), "prefetched expert %d", order[k]);
+                    CHECK(((const float *)v.m[m].f.w)[i] == expert_value(order[k], m, i), "prefetched expert %d", order[k]);
         }
         CHECK(!memcmp(&plain, &L.count, sizeof plain), "counters with prefetch: %llu/%llu %llu/%llu %llu/%llu %llu/%llu", (unsigned long long)plain.hits, (unsigned long long)L.count.hits, (unsigned long long)plain.misses, (unsigned long long)L.count.misses, (unsigned long long)plain.reads, (unsigned long long)L.count.reads, (unsigned long long)plain.bytes_read, (unsigned long long)L.count.bytes_read);
         cb_experts_prefetch(&L, 1);      /* left unconsumed: free must wait for it */
@@ -348,7 +348,9 @@ static void test_experts(void) {
         /* The hot set evicts the coldest expert, not the least recent: after 0, 0, 0, 1 the cap-2 cache keeps the
          * thrice-routed 0 when 2 arrives, where LRU drops it (and misses it again next). */
         for (int hot = 0; hot < 2; hot++) {
-            cb_stream.pin = hot;
+            cb_stream_opts o = cb_stream_defaults();
+            o.pin = hot;
+            cb_experts_configure(&o);
             CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
             int seq[] = {0, 0, 0, 1, 2, 0};
             for (int k = 0; k < 6; k++) CHECK(cb_experts_get(&L, seq[k], &v, err, sizeof err) == 0, "%s", err);
@@ -357,7 +359,8 @@ static void test_experts(void) {
             CHECK(L.slot_of[0] >= 0 && L.slot_of[2] >= 0 && (hot || L.slot_of[1] < 0), "residents");
             cb_experts_free(&L);
         }
-        cb_stream.pin = 0;
+        cb_stream_opts defaults = cb_stream_defaults();
+        cb_experts_configure(&defaults);
         /* cap 0 keeps every expert once read. */
         CHECK(cb_experts_init(&L, &idx, 0, NEXP, 0, HID, INTER, names, err, sizeof err) == 0, "%s", err);
         for (int k = 0; k < 8; k++) cb_experts_get(&L, order[k], &v, err, sizeof err);

@@ -32,14 +32,14 @@ stream, its normalised copy, the attention output and the MLP output)."""
 SCRATCH_DTYPE_BYTES = 4
 
 STAGING_SLACK_BYTES = 3 * 4096
-"""A staging buffer holds the largest expert plus room to align a direct read on both ends (experts.c)."""
+"""A staging buffer holds the largest expert plus room to align a direct read on both ends (expert_store.c)."""
 
 MIN_STAGES = 4
 """Staging buffers worth having: both I/O threads reading, and the next two reads queued behind them."""
 
 
 def staging_stages(top_k: int) -> int:
-    """The staging buffers the engine's I/O pool wants (experts.c pool_size): two per routed expert of a token, one
+    """The staging buffers the engine's I/O pool wants (expert_pool.c pool_size): two per routed expert of a token, one
     for the layer's own misses and one for the next layer's predictions."""
     return min(64, max(MIN_STAGES, 2 * max(1, top_k)))
 

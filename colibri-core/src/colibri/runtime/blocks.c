@@ -12,38 +12,25 @@
 int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
                    char *err, size_t errlen) {
     memset(l, 0, sizeof *l);
-    int qrc = cb_qlinear_load(&l->w, &l->q, idx, name, rows, cols, bytes, err, errlen);
+    l->m.rows = rows;
+    l->m.cols = cols;
+    int qrc = cb_qlinear_load(&l->w, &l->m.q, idx, name, rows, cols, bytes, err, errlen);
     if (qrc <= 0) {   /* loaded quantized from a container, or refused */
-        l->quantized = qrc == 0;
-        l->rows = rows;
-        l->cols = cols;
+        l->m.kind = CB_MAT_INT;
         return qrc;
     }
-    int frc = cb_fp8_load(&l->w, &l->f8, idx, name, rows, cols, bytes, err, errlen);
+    int frc = cb_fp8_load(&l->w, &l->m.f8, idx, name, rows, cols, bytes, err, errlen);
     if (frc <= 0) {   /* block-quantized fp8 (a scale companion exists), or refused */
-        l->fp8 = frc == 0;
-        l->rows = rows;
-        l->cols = cols;
+        l->m.kind = CB_MAT_FP8;
         return frc;
     }
     int64_t dims[2] = {rows, cols};
     const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
     if (!t) return -1;
     if (!(l->w = cb_st_load(idx, t, err, errlen))) return -1;
-    l->dt = t->dtype;
-    l->rows = rows;
-    l->cols = cols;
+    l->m = cb_matrix_float(l->w, t->dtype, rows, cols);
     if (bytes) *bytes += t->nbytes;
     return 0;
-}
-
-static void to_f32(float *out, const void *src, cb_dtype dt, size_t n) {
-    if (dt == CB_F32) {
-        memcpy(out, src, n * sizeof(float));
-    } else {
-        const uint16_t *h = src;
-        for (size_t i = 0; i < n; i++) out[i] = dt == CB_BF16 ? cb_bf16_to_f32(h[i]) : cb_f16_to_f32(h[i]);
-    }
 }
 
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
@@ -51,17 +38,22 @@ int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n,
     int64_t dims[1] = {n};
     const cb_tensor *t = cb_st_expect(idx, name, 1, dims, err, errlen);
     if (!t) return -1;
+    return cb_load_f32(out, idx, t, (size_t)n, bytes, err, errlen);
+}
+
+int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
+                size_t errlen) {
     void *raw = cb_st_load(idx, t, err, errlen);
     if (!raw) return -1;
-    *out = malloc((size_t)n * sizeof(float));
+    *out = malloc(n * sizeof(float));
     if (!*out) {
         free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
+        snprintf(err, errlen, "out of memory loading %s", t->name);
         return -1;
     }
-    to_f32(*out, raw, t->dtype, (size_t)n);
+    cb_convert_to_f32(*out, raw, t->dtype, n);
     free(raw);
-    if (bytes) *bytes += (size_t)n * sizeof(float);
+    if (bytes) *bytes += n * sizeof(float);
     return 0;
 }
 
@@ -71,48 +63,27 @@ void cb_linear_free(cb_linear *l) {
 }
 
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
-    if (!l->quantized && !l->fp8) return 0;
-    float *w = malloc((size_t)l->rows * (size_t)l->cols * sizeof(float) + 1);
+    if (l->m.kind == CB_MAT_FLOAT) return 0;
+    int rows = l->m.rows, cols = l->m.cols;
+    float *w = malloc((size_t)rows * (size_t)cols * sizeof(float) + 1);
     if (!w) {
-        snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", l->rows, l->cols);
+        snprintf(err, errlen, "out of memory dequantizing a [%d, %d] matrix", rows, cols);
         return -1;
     }
-    for (int r = 0; r < l->rows; r++) {
-        if (l->fp8) cb_fp8_dequant_row(w + (size_t)r * (size_t)l->cols, &l->f8, r);
-        else cb_qdequant_row(w + (size_t)r * (size_t)l->cols, &l->q, r);
-    }
+    for (int r = 0; r < rows; r++) cb_matrix_row(w + (size_t)r * (size_t)cols, &l->m, r);
     free(l->w);
     l->w = w;
-    l->dt = CB_F32;
-    l->quantized = 0;
-    l->fp8 = 0;
+    l->m = cb_matrix_float(w, CB_F32, rows, cols);
     return 0;
 }
 
-void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) {
-    if (l->quantized) {
-        cb_qlinear_apply(&l->q, Y, X, n);
-        return;
-    }
-    if (l->fp8) {
-        cb_fp8_matmul(Y, &l->f8, X, n);
-        return;
-    }
-    if (n == 1) cb_matvec(Y, l->w, l->dt, X, l->rows, l->cols);
-    else cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
-}
+void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n) { cb_matrix_apply(&l->m, Y, X, n); }
 
-void cb_embed(float *out, const cb_linear *emb, int token) {
-    if (emb->quantized) {   /* dequantized per row: level * scale is exact in f32 */
-        cb_qdequant_row(out, &emb->q, token);
-        return;
-    }
-    if (emb->fp8) {
-        cb_fp8_dequant_row(out, &emb->f8, token);
-        return;
-    }
-    size_t row = (size_t)token * (size_t)emb->cols;
-    to_f32(out, (const char *)emb->w + row * cb_dtype_size(emb->dt), emb->dt, (size_t)emb->cols);
+/* Dequantized per row: level * scale (e4m3 * block scale) is exact in f32. */
+void cb_embed(float *out, const cb_linear *emb, int token) { cb_matrix_row(out, &emb->m, token); }
+
+void cb_add_bias(float *y, const float *b, int n, int width) {
+    for (int i = 0; b && i < n; i++) cb_add(y + (size_t)i * (size_t)width, b, (size_t)width);
 }
 
 void cb_add(float *y, const float *x, size_t n) {
@@ -288,6 +259,27 @@ void cb_rope_apply(const cb_rope *r, float *x, int n_heads, int head_dim, int po
 }
 
 /* ---- attention ---- */
+
+void cb_qkv_apply(const cb_qkvo *p, float *q, float *k, float *v, const float *h, int n) {
+    cb_linear_apply(&p->wq, q, h, n);
+    cb_linear_apply(&p->wk, k, h, n);
+    cb_linear_apply(&p->wv, v, h, n);
+    cb_add_bias(q, p->bq, n, p->wq.m.rows);
+    cb_add_bias(k, p->bk, n, p->wk.m.rows);
+    cb_add_bias(v, p->bv, n, p->wv.m.rows);
+}
+
+int cb_attn_shape_init(cb_attn_shape *s, int hidden, int n_heads, int n_kv_heads, int head_dim, char *err,
+                       size_t errlen) {
+    if (!n_kv_heads) n_kv_heads = n_heads;
+    if (!head_dim && n_heads > 0) head_dim = hidden / n_heads;
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2) {
+        snprintf(err, errlen, "--set num_key_value_heads must divide num_attention_heads, and head_dim be >= 2");
+        return -1;
+    }
+    *s = (cb_attn_shape){n_heads, n_kv_heads, head_dim, 1.0f / sqrtf((float)head_dim)};
+    return 0;
+}
 
 float *cb_attn_scratch(int max_batch, int n_heads, int ctx) {
     return malloc((size_t)max_batch * (size_t)n_heads * (size_t)ctx * sizeof(float));
@@ -469,8 +461,9 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
 /* The opt-in lossy knobs: drop each row's lowest-weight choices (chosen = -1) beyond experts_k, and beyond
  * the fewest whose weights reach experts_top_p of the row's total. Weights are left as they are. */
 static void trim_choices(cb_moe *m, int n) {
-    int K = m->top_k, keep_k = cb_stream.experts_k > 0 && cb_stream.experts_k < K ? cb_stream.experts_k : K;
-    float p = cb_stream.experts_top_p;
+    const cb_stream_opts *o = cb_experts_options();
+    int K = m->top_k, keep_k = o->experts_k > 0 && o->experts_k < K ? o->experts_k : K;
+    float p = o->experts_top_p;
     if (keep_k == K && !(p > 0 && p < 1)) return;
     for (int i = 0; i < n; i++) {
         int *c = m->chosen + (size_t)i * (size_t)K;
@@ -494,15 +487,14 @@ static void trim_choices(cb_moe *m, int n) {
 }
 
 /* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. The guesses are
- * always scored (lookahead_recall); they are read ahead only with cb_stream.lookahead, because a wrong guess costs a
+ * always scored (lookahead_recall); they are read ahead only with the lookahead option, because a wrong guess costs a
  * whole expert read on a disk that is usually the bottleneck already (docs/benchmarks.md). */
 static void predict_next(cb_moe *m, const float *x) {
     int next_layer = m->store.layer + 1;
     cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
     if (!nx || !nx->router.w || nx->hidden != m->hidden || nx->n_experts > 4096) return;
     int E = nx->n_experts, K = nx->top_k;
-    if (nx->router.fp8) cb_linear_apply(&nx->router, m->next_logits, x, 1);
-    else cb_matvec(m->next_logits, nx->router.w, nx->router.dt, x, E, m->hidden);
+    cb_linear_apply(&nx->router, m->next_logits, x, 1);
     cb_expert_layer *S = &nx->store;
     memset(S->predicted, 0, (size_t)E);
     for (int j = 0; j < K; j++) {   /* top-k of the logits = top-k of the softmax */
@@ -511,7 +503,7 @@ static void predict_next(cb_moe *m, const float *x) {
             if (!S->predicted[e] && (best < 0 || m->next_logits[e] > m->next_logits[best])) best = e;
         S->predicted[best] = 1;
         cb_prof.lookahead_predicted++;
-        if (cb_stream.lookahead) cb_experts_predict(S, best);
+        if (cb_experts_options()->lookahead) cb_experts_predict(S, best);
     }
     S->has_prediction = 1;
 }
@@ -529,22 +521,13 @@ static void score_prediction(cb_moe *m) {
     S->has_prediction = 0;
 }
 
-/* Y = matrix `mat` of a float, native fp8 or fp4 expert applied to n input rows (fp8 gives the float path's bits on
- * the dequantized weights, fp8.h). */
-static void expert_apply(float *Y, const cb_expert_view *ex, int mat, const float *X, int n, int rows, int cols) {
-    if (ex->fp4) cb_fp4_matmul(Y, &ex->f4[mat], X, n);
-    else if (ex->fp8) cb_fp8_matmul(Y, &ex->f8[mat], X, n);
-    else if (n == 1) cb_matvec(Y, ex->w[mat], ex->dt[mat], X, rows, cols);
-    else cb_matmul(Y, ex->w[mat], ex->dt[mat], X, n, rows, cols);
-}
-
 /* Run expert e on the given rows (their (row, choice) pairs in m->pair_of_row) into m->y. */
 static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
     int H = m->hidden, I = m->inter;
     cb_expert_view ex;
     if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
     double t0 = cb_now_s();
-    if (ex.quantized) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
+    if (ex.m[CB_GATE].kind == CB_MAT_INT) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
         if (cb_qexpert_run(m->down, m->gate, m->up, &ex, m->rows, rows, err, errlen)) return -1;
         for (int r = 0; r < rows; r++)
             memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
@@ -554,11 +537,11 @@ static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, siz
     }
     for (int r = 0; r < rows; r++)
         memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-    expert_apply(m->gate, &ex, CB_GATE, m->xs, rows, I, H);
-    expert_apply(m->up, &ex, CB_UP, m->xs, rows, I, H);
+    cb_matrix_apply(&ex.m[CB_GATE], m->gate, m->xs, rows);
+    cb_matrix_apply(&ex.m[CB_UP], m->up, m->xs, rows);
     if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
     cb_silu_mul(m->gate, m->up, rows * I);
-    expert_apply(m->down, &ex, CB_DOWN, m->gate, rows, H, I);
+    cb_matrix_apply(&ex.m[CB_DOWN], m->down, m->gate, rows);
     for (int r = 0; r < rows; r++)
         memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
                (size_t)H * sizeof(float));
@@ -589,7 +572,7 @@ static void stage_misses(cb_moe *m, int from) {
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
     int E = m->n_experts, K = m->top_k, H = m->hidden;
     trim_choices(m, n);
-    if (m->store.n_experts && m->store.loc[0].quantized && cb_qexperts_begin(x, n, H)) {
+    if (m->store.n_experts && m->store.loc[0].kind == CB_MAT_INT && cb_qexperts_begin(x, n, H)) {
         snprintf(err, errlen, "out of memory quantizing the layer %d MoE input", m->store.layer);
         return -1;
     }
@@ -597,7 +580,7 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
     for (size_t j = 0; j < (size_t)n * (size_t)K; j++)
         if (m->chosen[j] >= 0) m->n_rows[m->chosen[j]]++;
     if (n == 1) score_prediction(m);
-    if (!cb_stream.moe_union) {
+    if (!cb_experts_options()->moe_union) {
         /* One row at a time, each expert by matvec: what batching must reproduce bit for bit. */
         for (int i = 0; i < n; i++)
             for (int e = 0; e < E; e++) {
@@ -623,7 +606,7 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
                 m->n_rows[e] = 0;   /* done: a later miss may evict it, and it must not run twice */
             }
     }
-    if (!cb_stream.moe_union && n == 1) predict_next(m, x);
+    if (!cb_experts_options()->moe_union && n == 1) predict_next(m, x);
     /* Each row sums its experts in ascending index, as transformers' index_add_ loop does. */
     memset(out, 0, (size_t)n * (size_t)H * sizeof(float));
     for (int i = 0; i < n; i++) {

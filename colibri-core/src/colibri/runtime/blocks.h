@@ -9,29 +9,24 @@
 
 #include <stddef.h>
 
-#include "engine.h"
 #include "experts.h"
 #include "fp8.h"
+#include "hparams.h"
 #include "kernels.h"
+#include "kv.h"
+#include "matrix.h"
 #include "quant.h"
 #include "safetensors.h"
 
 /* ---- weights ---- */
 
-/* A row-major weight matrix [rows, cols] kept in its stored dtype, or, from a colibri-quant container, as
- * int8/int4 levels + scales (quantized = 1: q describes the matrix, w owns its bytes, dt is meaningless and
- * cb_linear_apply / cb_embed go through the integer kernels of qlinear.h), or, from a native block-quantized
- * fp8 checkpoint, as e4m3 bytes + 128x128 block scales (fp8 = 1: f8 describes the matrix, w owns its bytes, dt
- * is meaningless and cb_linear_apply / cb_embed go through fp8.h). Code that reads w directly must first call
- * cb_linear_dequantize. */
+/* A linear layer's weight [rows, cols] in its stored form (matrix.h: float, colibri-quant integer levels, fp8 with
+ * block scales; m.kind says which, and cb_linear_apply / cb_embed dispatch on it). w owns the bytes m points into
+ * (NULL for a borrowed matrix such as a tied LM head). Code that reads the elements directly must first call
+ * cb_linear_dequantize and then reads m.f.w / m.f.dt. */
 typedef struct {
     void *w;
-    cb_dtype dt;
-    int rows, cols;
-    int quantized;
-    cb_qmatrix q;
-    int fp8;
-    cb_fp8matrix f8;
+    cb_matrix m;
 } cb_linear;
 
 /* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. Whatever the family, the stored form
@@ -45,8 +40,11 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
 /* Load a vector of n weights converted to f32 (norm weights, biases). */
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);
+/* Load the n elements of tensor t (F32/BF16/F16, shape checked by the caller) converted to f32. */
+int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
+                size_t errlen);
 void cb_linear_free(cb_linear *l);
-/* Turn a quantized (or fp8) linear into an F32 one holding level * scale (e4m3 * block scale) exactly (a no-op
+/* Turn a quantized (or fp8) linear into a float (F32) one holding level * scale (e4m3 * block scale) exactly (a no-op
  * for a float one), for the blocks that read weights directly instead of through cb_linear_apply (MLA's
  * absorbed kv_b). 0 or -1. */
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);
@@ -55,6 +53,8 @@ int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen);
 void cb_linear_apply(const cb_linear *l, float *Y, const float *X, int n);
 /* out = row `token` of an embedding matrix, as f32. */
 void cb_embed(float *out, const cb_linear *emb, int token);
+/* Each of n rows of width values += b (a bias; NULL: none). */
+void cb_add_bias(float *y, const float *b, int n, int width);
 /* y[i] += x[i] */
 void cb_add(float *y, const float *x, size_t n);
 /* Clamp every element to [-limit, limit]. */
@@ -86,6 +86,18 @@ typedef struct {
     float scale;               /* usually head_dim^-0.5 */
 } cb_attn_shape;
 
+/* GQA's projections; the biases are NULL when the model has none. */
+typedef struct {
+    cb_linear wq, wk, wv, wo;
+    float *bq, *bk, *bv, *bo;
+} cb_qkvo;
+
+/* q, k, v = the biased projections of n rows h. */
+void cb_qkv_apply(const cb_qkvo *p, float *q, float *k, float *v, const float *h, int n);
+/* The shape of GQA over `hidden`: head_dim 0 means hidden / n_heads, n_kv_heads 0 means n_heads; scale
+ * head_dim^-0.5. 0, or -1 with a message naming the --set keys out of range. */
+int cb_attn_shape_init(cb_attn_shape *s, int hidden, int n_heads, int n_kv_heads, int head_dim, char *err,
+                       size_t errlen);
 /* Scratch for cb_attend: scores for max_batch rows x n_heads x ctx. */
 float *cb_attn_scratch(int max_batch, int n_heads, int ctx);
 
@@ -134,8 +146,8 @@ int cb_moe_forward(cb_moe *m, float *out, const float *x, int n, char *err, size
  * the end, so the visiting order never changes a bit. With prefetching on, a one-token call also applies the
  * NEXT MoE layer's router to this layer's input (the post-attention normed hidden state: the nearest stand-in
  * for the next layer's input, available one layer early) and stages its top-k as predictions.
- * cb_stream.moe_union = 0 computes row by row with matvecs instead (the test of batching). The opt-in lossy
- * knobs cb_stream.experts_k / experts_top_p drop a row's lowest-weight choices here (never by default). */
+ * The option moe_union = 0 (cb_stream_opts) computes row by row with matvecs instead (the test of batching). The
+ * opt-in lossy knobs experts_k / experts_top_p drop a row's lowest-weight choices here (never by default). */
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen);
 
 #endif

@@ -60,6 +60,7 @@ typedef struct {
     void *model;
     cb_model_info info;
     int ctx, n_slots, cap, threads, prefill_chunk;
+    cb_stream_opts stream;     /* parsed here, handed to the expert store once (cb_experts_configure) */
     slot_t *slots;
     float *logits;             /* prefill_chunk x vocab */
     void *sample_work;
@@ -188,16 +189,17 @@ static void add_profile(cb_profile *acc, const cb_profile *after, const cb_profi
 
 /* The streaming switches and lossy knobs in effect, as JSON fields (ready, done and stats carry them). */
 static void put_streaming(cb_buf *b) {
+    const cb_stream_opts *o = cb_experts_options();
     cb_buf_printf(b, ",\"prefetch\":%s,\"lookahead\":%s,\"pin\":%s,\"io\":\"%s\",\"moe_union\":%s,"
-                  "\"pinned_experts\":%d", cb_stream.prefetch ? "true" : "false",
-                  cb_stream.prefetch && cb_stream.lookahead ? "true" : "false", cb_stream.pin ? "true" : "false",
+                  "\"pinned_experts\":%d", o->prefetch ? "true" : "false",
+                  o->prefetch && o->lookahead ? "true" : "false", o->pin ? "true" : "false",
                   cb_experts_io_name(),
-                  cb_stream.moe_union ? "true" : "false", cb_experts_pinned_total());
-    if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0) {
+                  o->moe_union ? "true" : "false", cb_experts_pinned_total());
+    if (o->experts_k > 0 || o->experts_top_p > 0) {
         cb_buf_puts(b, ",\"lossy\":\"");
-        if (cb_stream.experts_k > 0) cb_buf_printf(b, "experts-k=%d", cb_stream.experts_k);
-        if (cb_stream.experts_k > 0 && cb_stream.experts_top_p > 0) cb_buf_puts(b, " ");
-        if (cb_stream.experts_top_p > 0) cb_buf_printf(b, "experts-top-p=%g", (double)cb_stream.experts_top_p);
+        if (o->experts_k > 0) cb_buf_printf(b, "experts-k=%d", o->experts_k);
+        if (o->experts_k > 0 && o->experts_top_p > 0) cb_buf_puts(b, " ");
+        if (o->experts_top_p > 0) cb_buf_printf(b, "experts-top-p=%g", (double)o->experts_top_p);
         cb_buf_puts(b, "\"");
     }
 }
@@ -680,6 +682,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
     E->cap = 0;
     E->threads = 0;
     E->prefill_chunk = DEFAULT_PREFILL_CHUNK;
+    E->stream = cb_stream_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
@@ -691,21 +694,21 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--cap")) rc = parse_int_arg(a, v, 0, 1 << 24, &E->cap, err);
         else if (!strcmp(a, "--threads")) rc = parse_int_arg(a, v, 0, 4096, &E->threads, err);
         else if (!strcmp(a, "--prefill-chunk")) rc = parse_int_arg(a, v, 1, 4096, &E->prefill_chunk, err);
-        else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &cb_stream.prefetch, err);
-        else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &cb_stream.pin, err);
-        else if (!strcmp(a, "--lookahead")) rc = parse_switch(a, v, &cb_stream.lookahead, err);
-        else if (!strcmp(a, "--preload")) rc = parse_switch(a, v, &cb_stream.preload, err);
-        else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &cb_stream.moe_union, err);
-        else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &cb_stream.repin_every, err);
-        else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &cb_stream.io_stages, err);
-        else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &cb_stream.experts_k, err);
+        else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &E->stream.prefetch, err);
+        else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &E->stream.pin, err);
+        else if (!strcmp(a, "--lookahead")) rc = parse_switch(a, v, &E->stream.lookahead, err);
+        else if (!strcmp(a, "--preload")) rc = parse_switch(a, v, &E->stream.preload, err);
+        else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &E->stream.moe_union, err);
+        else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
+        else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
+        else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
         else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
-            cb_stream.hotset_path = v;
+            E->stream.hotset_path = v;
         } else if (!strcmp(a, "--io")) {
-            if (v && !strcmp(v, "auto")) cb_stream.io_mode = CB_IO_AUTO;
-            else if (v && !strcmp(v, "direct")) cb_stream.io_mode = CB_IO_DIRECT;
-            else if (v && !strcmp(v, "buffered")) cb_stream.io_mode = CB_IO_BUFFERED;
+            if (v && !strcmp(v, "auto")) E->stream.io_mode = CB_IO_AUTO;
+            else if (v && !strcmp(v, "direct")) E->stream.io_mode = CB_IO_DIRECT;
+            else if (v && !strcmp(v, "buffered")) E->stream.io_mode = CB_IO_BUFFERED;
             else { snprintf(err, ERRLEN, "--io needs auto, direct or buffered, got %s", v ? v : "nothing"); return -1; }
         } else if (!strcmp(a, "--experts-top-p")) {
             char *end;
@@ -714,7 +717,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
                 snprintf(err, ERRLEN, "--experts-top-p needs a number in (0, 1], got %s", v ? v : "nothing");
                 return -1;
             }
-            cb_stream.experts_top_p = p >= 1 ? 0.0f : (float)p;
+            E->stream.experts_top_p = p >= 1 ? 0.0f : (float)p;
         }
         else if (!strcmp(a, "--set")) {
             const char *eq = v ? strchr(v, '=') : NULL;
@@ -814,6 +817,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("bad_args", err);
         goto out;
     }
+    cb_experts_configure(&E.stream);
     if (cb_threads_init(E.threads)) {
         emit_fatal("internal", "cannot start the compute threads");
         goto out;
@@ -841,11 +845,11 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     }
     cb_experts_after_tokens(0);   /* loads the hot-set sidecar when pinning */
     uint64_t preloaded = 0;
-    if (cb_stream.preload && cb_experts_preload(&preloaded, err, ERRLEN)) {
+    if (E.stream.preload && cb_experts_preload(&preloaded, err, ERRLEN)) {
         emit_fatal("load", err);
         goto out_threads;
     }
-    if (cb_stream.experts_k > 0 || cb_stream.experts_top_p > 0)
+    if (E.stream.experts_k > 0 || E.stream.experts_top_p > 0)
         fprintf(stderr, "warning: lossy expert routing (--experts-k / --experts-top-p): tokens will differ from "
                         "the model's own routing\n");
     size_t kv_bytes = (size_t)E.n_slots * (E.info.kv_k_only ? 1 : 2) * (size_t)E.info.n_layers * (size_t)E.ctx *

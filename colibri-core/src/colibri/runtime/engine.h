@@ -3,7 +3,9 @@
  * The runtime owns the process: argument parsing, the JSON-lines protocol of docs/protocol.md, KV slots,
  * scheduling (slots interleaved, prefill in chunks, stdin polled between steps), prefix reuse, sampling and
  * stats. A family supplies a cb_family: load the weights, run a forward pass over n tokens of one slot, free.
- * A family's C file is then a short composition of the blocks in blocks.h plus
+ * A family's C file is then a short composition of the blocks in blocks.h and decoder.h (which never include this
+ * header: the dependency runs process -> blocks; the family interface is family.h, the KV cache kv.h and the --set
+ * table hparams.h) plus
  *
  *     int main(int argc, char **argv) { return cb_engine_main(argc, argv, &my_family); }
  */
@@ -13,75 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "experts.h"
-
-/* ---- hyperparameters passed as --set key=value (resolved from config.json by the family plugin) ---- */
-
-typedef struct {
-    int n;
-    char **keys, **values;
-    int *used;                 /* a key nobody asked for is refused after load: a typo must not pass silently */
-} cb_hparams;
-
-/* Each getter returns 0 and fills *out; a missing required key or an unparsable value is -1 with a message
- * naming the key. The _opt variants leave *out (the default) alone when the key is absent. */
-int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-int cb_hp_int_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-int cb_hp_float(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
-int cb_hp_float_opt(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
-int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
-/* Returns the value string (owned by hp) or def when absent. */
-const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def);
-
-/* ---- KV cache of one slot: f32, [layer][position][kv_dim] for K and for V ---- */
-
-typedef struct {
-    int n_layers, ctx, kv_dim;
-    float *k, *v;
-    float *state;              /* the slot's recurrent state (cb_model_info.state_bytes), NULL when none */
-} cb_kv;
-
-static inline float *cb_kv_k(const cb_kv *kv, int layer, int pos) {
-    return kv->k + ((size_t)layer * (size_t)kv->ctx + (size_t)pos) * (size_t)kv->kv_dim;
-}
-static inline float *cb_kv_v(const cb_kv *kv, int layer, int pos) {
-    return kv->v + ((size_t)layer * (size_t)kv->ctx + (size_t)pos) * (size_t)kv->kv_dim;
-}
-
-/* ---- the family interface ---- */
-
-typedef struct {
-    const char *model_dir;
-    int ctx, slots, cap, threads;
-    int max_batch;             /* the most tokens one forward call will get (the prefill chunk) */
-    cb_hparams *hp;
-} cb_load_args;
-
-/* What load reports back so the runtime can size KV, answer `ready` and count expert traffic. */
-typedef struct {
-    int vocab;
-    int n_layers, kv_dim;      /* KV geometry per slot */
-    int kv_k_only;             /* 1: one row of kv_dim floats per token and layer and no V cache (MLA keeps its
-                                * compressed latent there); cb_kv.v is then NULL */
-    size_t state_bytes;        /* per-slot recurrent state (linear attention), zeroed = the empty sequence. The
-                                * runtime keeps a second copy per slot, checkpointed at the end of each prompt;
-                                * a slot's prefix is reused only up to the live state or that checkpoint */
-    size_t dense_bytes;
-    size_t expert_cache_bytes;
-    int n_expert_layers;
-    cb_expert_layer **expert_layers;   /* owned by the model; read for stats */
-} cb_model_info;
-
-typedef struct cb_family {
-    const char *name;
-    int (*load)(void **model, const cb_load_args *args, cb_model_info *info, char *err, size_t errlen);
-    /* Run tokens[0..n) at positions pos0.. on this slot's KV (positions < pos0 already hold this sequence).
-     * Write vocab logits of every row into logits[n * vocab] when all_logits, else of the last row into
-     * logits[vocab]. Results must not depend on n: row i equals what n = 1 at position pos0 + i gives. */
-    int (*forward)(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
-                   char *err, size_t errlen);
-    void (*free)(void *model);
-} cb_family;
+#include "family.h"
 
 int cb_engine_main(int argc, char **argv, const cb_family *family);
 

@@ -10,12 +10,12 @@
  * Every buffer has the size of the largest expert of any layer (plus direct-I/O alignment slack), so a staged
  * read can be swapped into any slot instead of copied.
  *
- * Streaming (all switchable through cb_stream, none of it changing a bit of any expert or any counter of
+ * Streaming (all switchable through cb_stream_opts, none of it changing a bit of any expert or any counter of
  * hits/misses/bytes): an I/O pool of threads reads staged experts (the block's own misses first, then
  * lookahead predictions, each class in file-offset order); reads use O_DIRECT where the filesystem allows
  * (probed per shard) or buffered reads with POSIX_FADV_RANDOM; a learned hot set (see below) replaces LRU.
  *
- * The hot set (cb_stream.pin): each expert has a heat, its routing count decayed by HEAT_DECAY at every access
+ * The hot set (the pin option): each expert has a heat, its routing count decayed by HEAT_DECAY at every access
  * of its layer (half-life ~34 accesses: about 4 tokens at top-8, 17 at top-2), seeded at start from the counts
  * a sidecar next to the model kept from earlier runs. Every repin_every tokens the hottest experts are pinned
  * into half the slots (with hysteresis), and a miss evicts the coldest unpinned resident, least recently used
@@ -32,22 +32,17 @@
 
 #include "fp4.h"
 #include "fp8.h"
+#include "matrix.h"
 #include "qcontainer.h"
 #include "quant.h"
 #include "safetensors.h"
 
 enum { CB_GATE = 0, CB_UP = 1, CB_DOWN = 2 };
 
-/* A resident expert: gate [inter, hidden], up [inter, hidden], down [hidden, inter], row-major. */
+/* A resident expert: gate [inter, hidden], up [inter, hidden], down [hidden, inter], row-major, each in the form the
+ * checkpoint stores it (matrix.h); the three always share one kind. */
 typedef struct {
-    const void *w[3];
-    cb_dtype dt[3];
-    int quantized;             /* colibri-quant expert: q[] holds the matrices (qlinear.h), w/dt are unused */
-    cb_qmatrix q[3];
-    int fp8;                   /* block-quantized fp8 expert: f8[] holds the matrices (fp8.h), w/dt are unused */
-    cb_fp8matrix f8[3];
-    int fp4;                   /* fp4 expert (DeepSeek-V4): f4[] holds the matrices (fp4.h); fp8 is then 0 */
-    cb_fp4matrix f4[3];
+    cb_matrix m[3];
 } cb_expert_view;
 
 typedef struct {
@@ -56,27 +51,32 @@ typedef struct {
     uint64_t span_offset, span_bytes;
     uint64_t offset[3], nbytes[3];
     size_t rel[3];             /* where each matrix starts inside the slot buffer */
-    cb_dtype dt[3];
-    int quantized;             /* colibri-quant: located by cb_qexperts_locate, always one read */
+    cb_dtype dt[3];            /* CB_MAT_FLOAT only */
+    cb_mat_kind kind;          /* CB_MAT_INT: a colibri-quant expert, located by cb_qexperts_locate, always one read */
     const cb_qc_entry *qe[3];  /* the container entries of gate, up, down */
     size_t rel_scales[3];      /* where each matrix's scales start inside the slot buffer (rel[] = levels) */
-    int fp8;                   /* native fp8: each matrix has a block-scale tensor (the sc_* fields); the six
-                                * tensors are one read when they tile one span, two when the weights tile one
-                                * span and the scales another (safetensors groups tensors by dtype), else six */
-    int two_spans;             /* fp8 only: weights at span_offset/span_bytes, scales at sc_span_* */
+    /* CB_MAT_FP8 / CB_MAT_FP4: each matrix has a scale tensor (the sc_* fields); the six tensors are one read when
+     * they tile one span, two when the weights tile one span and the scales another (safetensors groups tensors
+     * by dtype), else six */
+    int two_spans;             /* scaled kinds only: weights at span_offset/span_bytes, scales at sc_span_* */
     uint64_t sc_span_offset, sc_span_bytes;
     int sc_shard[3];
     uint64_t sc_offset[3], sc_nbytes[3];
     cb_fp8_scale_kind sc_kind[3];
-    int fp4;                   /* with fp8 = 1: the scaled pieces are fp4 + per-32 scales (fp4.h), not e4m3; the
-                                * sc_* fields and the read planning serve both */
 } cb_expert_location;
+
+/* Whether an expert's matrices come with scale tensors to read (fp8 and fp4). */
+static inline int cb_expert_scaled(const cb_expert_location *loc) {
+    return loc->kind == CB_MAT_FP8 || loc->kind == CB_MAT_FP4;
+}
 
 typedef struct {
     uint64_t hits, misses, bytes_read, reads;
 } cb_expert_counters;
 
-/* Process-wide streaming options, set by the engine from its arguments before the family loads. */
+/* Streaming options. The process (engine.c) parses them from its arguments into its own cb_stream_opts and passes
+ * them in with cb_experts_configure before the family loads; blocks and the store read them back through
+ * cb_experts_options. Nothing parses arguments into this module. */
 enum { CB_IO_AUTO = 0, CB_IO_DIRECT = 1, CB_IO_BUFFERED = 2 };
 typedef struct {
     int prefetch;              /* I/O pool: a block's misses load while its resident experts compute */
@@ -91,7 +91,12 @@ typedef struct {
     int preload;               /* read every expert of a cache that holds them all at load (cb_experts_preload) */
     const char *hotset_path;   /* sidecar file; NULL = <model dir>/.colibri-hotset */
 } cb_stream_opts;
-extern cb_stream_opts cb_stream;
+
+/* The defaults: every expert read once per MoE call (moe_union), re-pin every 8 tokens, everything else off. */
+cb_stream_opts cb_stream_defaults(void);
+/* Use these options from now on (copied; hotset_path must outlive the store). Call before the first init. */
+void cb_experts_configure(const cb_stream_opts *opts);
+const cb_stream_opts *cb_experts_options(void);
 
 /* Cumulative counters of the streaming machinery and time per phase (seconds, wall clock of the main thread). */
 typedef struct {
@@ -137,7 +142,7 @@ void cb_experts_free(cb_expert_layer *L);
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
 /* Queue a read of expert e into a staging buffer of the I/O pool, so it overlaps compute. A no-op when e is
- * resident or already staged, or unless prefetching is on (cb_stream.prefetch, or COLIBRI_PREFETCH=1). The
+ * resident or already staged, or unless prefetching is on (the prefetch option, or COLIBRI_PREFETCH=1). The
  * next cb_experts_get(e) then counts the miss and the read as usual, so counters never depend on prefetching.
  * cb_experts_prefetch is urgent (the caller needs e now); cb_experts_predict is a guess (lookahead), served
  * after every urgent read and the first to give its buffer up when the pool is full. */
@@ -149,13 +154,13 @@ void cb_experts_prefetch_cancel(cb_expert_layer *L);
 void cb_experts_io_shutdown(void);
 
 /* Size the staging pool from the largest top_k of any MoE layer (cb_moe_init calls this), unless
- * cb_stream.io_stages says how many buffers the RAM plan left for it. */
+ * the io_stages option says how many buffers the RAM plan left for it. */
 void cb_experts_hint_top_k(int top_k);
 /* Bytes of the staging buffers prefetching uses (0 when it is off); valid after every init. */
 size_t cb_experts_staging_bytes(void);
 
-/* Hot set: count n more tokens; every cb_stream.repin_every tokens re-pin each layer (with hysteresis) and
- * now and then save the sidecar. No-op unless cb_stream.pin. */
+/* Hot set: count n more tokens; every repin_every tokens re-pin each layer (with hysteresis) and
+ * now and then save the sidecar. No-op unless the pin option is on. */
 void cb_experts_after_tokens(int n);
 /* Write the sidecar now (at exit). Returns 0, or -1 with a message (the caller reports it as a notice). */
 int cb_experts_save_hotset(char *err, size_t errlen);

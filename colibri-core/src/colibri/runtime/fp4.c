@@ -87,28 +87,19 @@ typedef struct {
     float *Y;
     const cb_fp4matrix *W;
     const float *X;
-    int n, chunk;
+    int n;
     void (*rows)(float *, size_t, const cb_fp4matrix *, const float *, size_t, int, int, int);
 } job_t;
 
-static void run_chunk(void *ctx, int i) {
+static void run_rows(void *ctx, int r0, int r1) {
     const job_t *j = ctx;
-    int r0 = i * j->chunk, r1 = r0 + j->chunk < j->W->rows ? r0 + j->chunk : j->W->rows;
     j->rows(j->Y, (size_t)j->W->rows, j->W, j->X, (size_t)j->W->cols, j->n, r0, r1);
 }
 
 void cb_fp4_matmul(float *Y, const cb_fp4matrix *W, const float *X, int n) {
     if (n <= 0 || W->rows <= 0) return;
-    job_t j = {Y, W, X, n, W->rows, cb_get_isa() == CB_ISA_SCALAR ? cb_fp4_rows_scalar : cb_fp4_rows_avx2};
-    int threads = cb_threads_count();
-    if (threads > 1 && (size_t)W->rows * (size_t)W->cols * (size_t)n >= 32768) {
-        int tasks = threads * 4;
-        j.chunk = (W->rows + tasks - 1) / tasks;
-        if (j.chunk < 4) j.chunk = 4;
-        cb_parallel_for((W->rows + j.chunk - 1) / j.chunk, run_chunk, &j);
-        return;
-    }
-    run_chunk(&j, 0);
+    job_t j = {Y, W, X, n, cb_get_isa() == CB_ISA_SCALAR ? cb_fp4_rows_scalar : cb_fp4_rows_avx2};
+    cb_parallel_rows(W->rows, (size_t)W->rows * (size_t)W->cols * (size_t)n, run_rows, &j);
 }
 
 void cb_fp4_matvec(float *y, const cb_fp4matrix *W, const float *x) { cb_fp4_matmul(y, W, x, 1); }

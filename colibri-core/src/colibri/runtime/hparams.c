@@ -1,11 +1,11 @@
-/* hparams.c: the --set key=value hyperparameters (see engine.h). */
+/* hparams.c: the --set key=value hyperparameters (see hparams.h). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "hparams.h"
 
 static int find(cb_hparams *hp, const char *key) {
     for (int i = hp->n - 1; i >= 0; i--)      /* the last --set of a key wins */
@@ -86,6 +86,59 @@ int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t 
     else {
         snprintf(err, errlen, "--set %s=%s: not a boolean (true/false/1/0)", key, v);
         return -1;
+    }
+    return 0;
+}
+
+static int check_range(const cb_hp_spec *s, double v, char *err, size_t errlen) {
+    int int_kind = s->type == CB_HP_INT || s->type == CB_HP_INT_OPT;
+    if (s->check == CB_HP_POSITIVE && (int_kind ? v < 1 : !(v > 0))) {
+        snprintf(err, errlen, "--set %s=%g out of range (must be positive)", s->key, v);
+        return -1;
+    }
+    if (s->check == CB_HP_NONNEG && v < 0) {
+        snprintf(err, errlen, "--set %s=%g out of range (must not be negative)", s->key, v);
+        return -1;
+    }
+    return 0;
+}
+
+int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, size_t errlen) {
+    char *base = dst;
+    for (const cb_hp_spec *s = table; s->key; s++) {
+        void *at = base + s->offset;
+        switch (s->type) {
+        case CB_HP_INT:
+        case CB_HP_INT_OPT:
+            if (s->type == CB_HP_INT_OPT) *(int *)at = (int)s->def;
+            if (get_int(hp, s->key, at, s->type == CB_HP_INT, err, errlen) || check_range(s, *(int *)at, err, errlen))
+                return -1;
+            break;
+        case CB_HP_FLOAT:
+        case CB_HP_FLOAT_OPT:
+            if (s->type == CB_HP_FLOAT_OPT) *(float *)at = (float)s->def;
+            if (get_float(hp, s->key, at, s->type == CB_HP_FLOAT, err, errlen) ||
+                check_range(s, *(float *)at, err, errlen))
+                return -1;
+            break;
+        case CB_HP_BOOL:
+            *(int *)at = (int)s->def;
+            if (cb_hp_bool_opt(hp, s->key, at, err, errlen)) return -1;
+            break;
+        case CB_HP_STR:
+            *(const char **)at = cb_hp_str_opt(hp, s->key, s->text);
+            break;
+        case CB_HP_LETTERS: {
+            int n = *(const int *)(base + s->len_offset);
+            const char *v = cb_hp_str_opt(hp, s->key, NULL);
+            if (!v || (int)strlen(v) != n || strspn(v, s->text) != strlen(v)) {
+                snprintf(err, errlen, "--set %s: needs exactly %d letters from %s, one per layer", s->key, n, s->text);
+                return -1;
+            }
+            *(const char **)at = v;
+            break;
+        }
+        }
     }
     return 0;
 }

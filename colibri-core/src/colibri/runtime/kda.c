@@ -31,18 +31,7 @@ static int load_flat(float **out, const cb_st_index *idx, const char *name, int 
         snprintf(err, errlen, "tensor %s: expected %d values in one dimension (dtype %s)", name, n, t->dtype_name);
         return -1;
     }
-    void *raw = cb_st_load(idx, t, err, errlen);
-    if (!raw) return -1;
-    *out = malloc((size_t)n * sizeof(float));
-    if (!*out) {
-        free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
-        return -1;
-    }
-    cb_convert_to_f32(*out, raw, t->dtype, (size_t)n);
-    free(raw);
-    if (bytes) *bytes += (size_t)n * sizeof(float);
-    return 0;
+    return cb_load_f32(out, idx, t, (size_t)n, bytes, err, errlen);
 }
 
 static int load_convs(cb_kda *d, const cb_st_index *idx, const char *prefix, size_t *bytes, char *err,

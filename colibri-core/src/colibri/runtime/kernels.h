@@ -39,6 +39,10 @@ void cb_threads_shutdown(void);
 /* Run fn(ctx, i) for i in [0, n) across the pool; returns when all are done. Called from inside a task (or from a
  * second thread while a job runs) it runs the tasks inline on the calling thread. */
 void cb_parallel_for(int n, void (*fn)(void *ctx, int i), void *ctx);
+/* Run fn(ctx, r0, r1) over row ranges covering [0, rows): on the calling thread when work (multiply-adds) is under
+ * 32768 or there is one thread, else in chunks of at least 4 rows, 4 per thread. Rows must be independent, so the
+ * split never changes a bit. */
+void cb_parallel_rows(int rows, size_t work, void (*fn)(void *ctx, int r0, int r1), void *ctx);
 
 size_t cb_dtype_size(cb_dtype dt);
 float cb_bf16_to_f32(uint16_t h);

@@ -77,17 +77,12 @@ void cb_mla_free(cb_mla *m) {
     memset(m, 0, sizeof *m);
 }
 
-static void add_bias_rows(float *y, const float *b, int n, int width) {
-    if (!b) return;
-    for (int i = 0; i < n; i++) cb_add(y + (size_t)i * (size_t)width, b, (size_t)width);
-}
-
 void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int layer, const cb_rope *rope) {
     const cb_mla_shape *s = &m->s;
     int H = s->n_heads, qk = s->nope + s->rope, kvw = s->kv_lora + s->rope;
     if (s->q_lora) {
         cb_linear_apply(&m->q_a, m->q_resid, h, n);
-        add_bias_rows(m->q_resid, m->bq_a, n, s->q_lora);
+        cb_add_bias(m->q_resid, m->bq_a, n, s->q_lora);
         for (int i = 0; i < n; i++) {
             float *r = m->q_resid + (size_t)i * (size_t)s->q_lora;
             cb_rmsnorm(r, r, m->q_a_norm, s->q_lora, s->lora_eps);
@@ -97,7 +92,7 @@ void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int l
         cb_linear_apply(&m->q_proj, m->q, h, n);
     }
     cb_linear_apply(&m->kv_a, m->ckv, h, n);
-    add_bias_rows(m->ckv, m->bkv_a, n, kvw);
+    cb_add_bias(m->ckv, m->bkv_a, n, kvw);
     for (int i = 0; i < n; i++) {
         int pos = pos0 + i;
         float *q = m->q + (size_t)i * (size_t)H * (size_t)qk, *c = m->ckv + (size_t)i * (size_t)kvw;
@@ -123,18 +118,18 @@ static void attend_one(void *ctx, int task) {
     const cb_mla_shape *s = &m->s;
     int H = s->n_heads, qk = s->nope + s->rope, L = s->kv_lora;
     int row = task / H, h = task % H, pos = j->pos0 + row;
-    size_t es = cb_dtype_size(m->kv_b.dt);
+    size_t es = cb_dtype_size(m->kv_b.m.f.dt);
     const float *q = m->q + ((size_t)row * (size_t)H + (size_t)h) * (size_t)qk;
     float *sc = m->work + (size_t)task * ((size_t)m->ctx + 3 * (size_t)L);
     float *q_lat = sc + m->ctx, *ctx_lat = q_lat + L, *w_row = ctx_lat + L;
     /* q_lat = W_UK_h^T q_nope, accumulated over W_UK_h's rows (row d scaled by q_nope[d]) so kv_b_proj is read
      * in its stored layout: no transposed copy of the weights. */
     memset(q_lat, 0, (size_t)L * sizeof(float));
-    const char *wk = (const char *)m->kv_b.w + (size_t)h * (size_t)(s->nope + s->v_dim) * (size_t)L * es;
+    const char *wk = (const char *)m->kv_b.m.f.w + (size_t)h * (size_t)(s->nope + s->v_dim) * (size_t)L * es;
     for (int d = 0; d < s->nope; d++) {
         const float *w = w_row;
-        if (m->kv_b.dt == CB_F32) w = (const float *)(const void *)(wk + (size_t)d * (size_t)L * es);
-        else cb_convert_to_f32(w_row, wk + (size_t)d * (size_t)L * es, m->kv_b.dt, (size_t)L);
+        if (m->kv_b.m.f.dt == CB_F32) w = (const float *)(const void *)(wk + (size_t)d * (size_t)L * es);
+        else cb_convert_to_f32(w_row, wk + (size_t)d * (size_t)L * es, m->kv_b.m.f.dt, (size_t)L);
         float qd = q[d];
         for (int c = 0; c < L; c++) q_lat[c] += qd * w[c];
     }
@@ -153,8 +148,8 @@ static void attend_one(void *ctx, int task) {
     }
     float *out = m->att + ((size_t)row * (size_t)H + (size_t)h) * (size_t)s->v_dim;
     size_t v_row = (size_t)h * (size_t)(s->nope + s->v_dim) + (size_t)s->nope;
-    const char *wv = (const char *)m->kv_b.w + v_row * (size_t)L * es;
-    for (int d = 0; d < s->v_dim; d++) out[d] = cb_dot(wv + (size_t)d * (size_t)L * es, m->kv_b.dt, ctx_lat, L);
+    const char *wv = (const char *)m->kv_b.m.f.w + v_row * (size_t)L * es;
+    for (int d = 0; d < s->v_dim; d++) out[d] = cb_dot(wv + (size_t)d * (size_t)L * es, m->kv_b.m.f.dt, ctx_lat, L);
 }
 
 void cb_mla_attend(cb_mla *m, float *out, int n, int pos0, const cb_kv *kv, int layer, const int *sel,
@@ -162,5 +157,5 @@ void cb_mla_attend(cb_mla *m, float *out, int n, int pos0, const cb_kv *kv, int 
     attend_job j = {m, kv, layer, pos0, sel_stride, sel, n_sel};
     cb_parallel_for(n * m->s.n_heads, attend_one, &j);
     cb_linear_apply(&m->o, out, m->att, n);
-    add_bias_rows(out, m->bo, n, m->s.hidden);
+    cb_add_bias(out, m->bo, n, m->s.hidden);
 }

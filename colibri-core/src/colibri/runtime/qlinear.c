@@ -184,7 +184,7 @@ int cb_qexperts_locate(const cb_qcontainer *qc, const char *const names[3], int 
     uint64_t begin, end;
     if (cb_qc_span(qc, nm, 3, &shard, &begin, &end, err, errlen)) return -1;
     memset(loc, 0, sizeof *loc);
-    loc->quantized = 1;
+    loc->kind = CB_MAT_INT;
     loc->single_read = 1;
     loc->span_offset = begin;
     loc->span_bytes = end - begin;
@@ -201,10 +201,11 @@ int cb_qexperts_locate(const cb_qcontainer *qc, const char *const names[3], int 
 }
 
 void cb_qexperts_view(const cb_expert_location *loc, const char *base, cb_expert_view *view) {
-    view->quantized = loc->quantized;
-    if (!loc->quantized) return;
-    for (int m = 0; m < 3; m++)
-        cb_qc_matrix(loc->qe[m], base + loc->rel[m], base + loc->rel_scales[m], &view->q[m]);
+    for (int m = 0; m < 3; m++) {
+        cb_matrix *M = &view->m[m];
+        *M = (cb_matrix){.kind = CB_MAT_INT, .rows = loc->qe[m]->rows, .cols = loc->qe[m]->cols};
+        cb_qc_matrix(loc->qe[m], base + loc->rel[m], base + loc->rel_scales[m], &M->q);
+    }
 }
 
 /* The MoE layer input, quantized once per call; each expert gathers its rows from it. */
@@ -241,7 +242,7 @@ static void gather(cb_qact *dst, const cb_qact *src, const int *rows, int n) {
 
 int cb_qexpert_run(float *down, float *gate, float *up, const cb_expert_view *ex, const int *rows, int n_rows,
                    char *err, size_t errlen) {
-    const cb_qmatrix *G = &ex->q[CB_GATE], *U = &ex->q[CB_UP], *D = &ex->q[CB_DOWN];
+    const cb_qmatrix *G = &ex->m[CB_GATE].q, *U = &ex->m[CB_UP].q, *D = &ex->m[CB_DOWN].q;
     int hidden = G->cols, inter = G->rows;
     if (!layer_in.q || layer_in.cols != hidden || D->rows != hidden || D->cols != inter) {
         snprintf(err, errlen, "quantized expert shapes disagree with the layer input (internal error)");

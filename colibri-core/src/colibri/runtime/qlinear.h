@@ -2,7 +2,7 @@
  *
  * A family never asks whether its checkpoint is quantized. cb_load_linear, cb_linear_apply and cb_embed
  * (blocks.c) dispatch here for a matrix the container stores as int8-row / int4-g64, and the expert store
- * (experts.c) locates a quantized expert as one byte span and hands its matrices to cb_qexpert_run. Float
+ * (expert_store.c) locates a quantized expert as one byte span and hands its matrices to cb_qexpert_run. Float
  * entries (bf16, f32) are stored under their source names, so the float path loads them unchanged.
  *
  * The container is opened (and its stamp validated) once per cb_st_index, on first use, and kept in
@@ -38,7 +38,7 @@ int cb_qlinear_apply(const cb_qmatrix *q, float *Y, const float *X, int n);
  * be quantized with the expected shapes and form one byte span of one shard. 0, or -1 naming the tensor. */
 int cb_qexperts_locate(const cb_qcontainer *qc, const char *const names[3], int layer, int e, int hidden,
                        int inter, cb_expert_location *loc, char *err, size_t errlen);
-/* Fill view->q from the expert's bytes at base (view->quantized = 0 for a float expert). */
+/* Fill view->m[] (CB_MAT_INT) from a quantized expert's bytes at base. */
 void cb_qexperts_view(const cb_expert_location *loc, const char *base, cb_expert_view *view);
 /* Quantize a MoE layer's input (n rows of hidden) once, before its quantized experts run. 0 or -1. */
 int cb_qexperts_begin(const float *x, int n, int hidden);

@@ -86,6 +86,31 @@ static void run_inline(int n, void (*fn)(void *ctx, int i), void *ctx) {
     for (int i = 0; i < n; i++) fn(ctx, i);
 }
 
+typedef struct {
+    void (*fn)(void *ctx, int r0, int r1);
+    void *ctx;
+    int rows, chunk;
+} rows_job;
+
+static void rows_chunk(void *ctx, int i) {
+    const rows_job *j = ctx;
+    int r0 = i * j->chunk, r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
+    j->fn(j->ctx, r0, r1);
+}
+
+void cb_parallel_rows(int rows, size_t work, void (*fn)(void *ctx, int r0, int r1), void *ctx) {
+    if (rows <= 0) return;
+    int threads = cb_threads_count();
+    if (threads <= 1 || work < 32768) {
+        fn(ctx, 0, rows);
+        return;
+    }
+    int tasks = threads * 4;
+    rows_job j = {fn, ctx, rows, (rows + tasks - 1) / tasks};
+    if (j.chunk < 4) j.chunk = 4;
+    cb_parallel_for((rows + j.chunk - 1) / j.chunk, rows_chunk, &j);
+}
+
 void cb_parallel_for(int n, void (*fn)(void *ctx, int i), void *ctx) {
     thread_pool *pool = &g_pool;
     if (n <= 0) return;

@@ -1,4 +1,5 @@
-/* deepseek.c: the DeepSeek MLA engines, composed from the shared runtime's blocks.
+/* deepseek.c: the DeepSeek MLA engines, a recipe over the runtime's decoder (decoder.h) and latent-attention
+ * layer (latent.h).
  *
  *   deepseek_v3   (V3 / R1)  attention = MLA over the compressed cache (mla.h), interleaved RoPE on the rope part
  *   deepseek_v32  (V3.2)     attention = MLA restricted to the DSA indexer's top-k positions (dsa.h); every layer
@@ -12,255 +13,83 @@
  * deepseek_v4 is a different composition (deepseek_v4.c), linked into this binary: main picks it on
  * --set attention=v4.
  */
-#include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "blocks.h"
-#include "dsa.h"
+#include "decoder.h"
 #include "engine.h"
-#include "grouped_moe.h"
-#include "mla.h"
-#include "swiglu.h"
+#include "latent.h"
 
 typedef struct {
-    float *attn_norm, *ffn_norm;
-    cb_mla mla;
-    int has_indexer;
-    cb_dsa dsa;
-    int is_moe;
-    cb_swiglu dense;
-    cb_grouped_moe moe;
-} ds_layer;
-
-typedef struct {
-    int sparse;                /* DSA (deepseek_v32) */
-    int hidden, n_layers, vocab, tied, max_batch, ctx, inter;
-    float eps;
-    cb_mla_shape mla;
-    cb_dsa_shape dsa;
-    int kv_width, index_col;
-    cb_grouped_moe_shape moe;
-    cb_st_index idx;
-    cb_linear embed, lm_head;
-    float *final_norm;
-    ds_layer *layers;
-    cb_expert_layer **expert_layers;
-    int n_expert_layers;
+    cb_decoder d;
+    const char *attention;     /* mla (V3) or dsa (V3.2) */
+    cb_latent_shape attn;
+    int interleave;            /* rope_interleave (MLA only): interleaved pairs (default) or half-split */
+    cb_latent *layers;
     cb_rope rope, index_rope;
-    float *x, *h, *proj;
-    int *sel, *n_sel;
+    cb_latent_sel sel;
 } ds;
 
-static void ds_free(void *ptr) {
+static const cb_hp_spec HPARAMS[] = {
+    CB_DECODER_HPARAMS(ds, d, 1e-6), CB_DECODER_GROUPED_HPARAMS(ds, d), CB_MLA_HPARAMS(ds, attn),
+    CB_HP_FLAG("attention_bias", ds, attn.mla.bias, 0), CB_MLA_SCALE_HPARAM(ds, attn),
+    CB_HP_TEXT("attention", ds, attention, "mla"), CB_HP_END,
+};
+static const cb_hp_spec DENSE_HPARAMS[] = {CB_HP_FLAG("rope_interleave", ds, interleave, 1), CB_HP_END};
+static const cb_hp_spec SPARSE_HPARAMS[] = {CB_DSA_HPARAMS(ds, attn), CB_HP_END};
+
+static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     ds *m = ptr;
-    if (!m) return;
-    if (m->layers)
-        for (int l = 0; l < m->n_layers; l++) {
-            ds_layer *L = &m->layers[l];
-            free(L->attn_norm); free(L->ffn_norm);
-            cb_mla_free(&L->mla);
-            if (L->has_indexer) cb_dsa_free(&L->dsa);
-            if (L->is_moe) cb_grouped_moe_free(&L->moe);
-            else cb_swiglu_free(&L->dense);
-        }
-    free(m->layers);
-    free(m->expert_layers);
-    cb_linear_free(&m->embed);
-    if (!m->tied) cb_linear_free(&m->lm_head);
-    free(m->final_norm);
+    m->attn.sparse = !strcmp(m->attention, "dsa");
+    if (!m->attn.sparse && strcmp(m->attention, "mla")) {
+        snprintf(err, errlen, "--set attention=%s: expected mla or dsa", m->attention);
+        return -1;
+    }
+    if (cb_hp_read(hp, m->attn.sparse ? SPARSE_HPARAMS : DENSE_HPARAMS, m, err, errlen)) return -1;
+    if (m->attn.sparse) m->interleave = 1;
+    cb_latent_shape_finish(&m->attn, m->d.hidden);
+    return cb_rope_init(&m->rope, hp, m->attn.mla.rope, !m->interleave, err, errlen) ||
+           (m->attn.sparse && cb_rope_init(&m->index_rope, hp, m->attn.mla.rope, 1, err, errlen));
+}
+
+static int load_layer(void *ptr, int l, char *err, size_t errlen) {
+    ds *m = ptr;   /* V3.2: every layer runs its own indexer */
+    return cb_latent_init(&m->layers[l], &m->d.idx, l, &m->attn, 1, m->d.max_batch, m->d.ctx, &m->d.dense_bytes, err,
+                          errlen);
+}
+
+static int finish(void *ptr, cb_model_info *info, char *err, size_t errlen) {
+    ds *m = ptr;
+    info->kv_dim = m->attn.kv_width;
+    info->kv_k_only = 1;
+    return cb_latent_sel_init(&m->sel, &m->attn, m->d.max_batch) ? cb_oom(err, errlen, "the DSA selection") : 0;
+}
+
+static int attention(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, size_t errlen) {
+    (void)err, (void)errlen;
+    ds *m = ptr;
+    cb_latent_forward(&m->layers[l], &m->attn, m->d.proj, m->d.h, n, pos0, kv, l, &m->rope, &m->index_rope, &m->sel);
+    return 0;
+}
+
+static void free_model(void *ptr) {
+    ds *m = ptr;
     cb_rope_free(&m->rope);
     cb_rope_free(&m->index_rope);
-    free(m->x); free(m->h); free(m->proj);
-    free(m->sel); free(m->n_sel);
-    cb_st_close(&m->idx);
-    free(m);
+    cb_latent_sel_free(&m->sel);
 }
 
-static int read_hparams(ds *m, cb_hparams *hp, const char **mlp_layers, char *err, size_t errlen) {
-    const char *attn = cb_hp_str_opt(hp, "attention", "mla");
-    if (!strcmp(attn, "dsa")) m->sparse = 1;
-    else if (strcmp(attn, "mla")) {
-        snprintf(err, errlen, "--set attention=%s: expected mla or dsa", attn);
-        return -1;
-    }
-    m->eps = 1e-6f;
-    m->moe.norm_topk_prob = 1;
-    m->moe.n_group = m->moe.topk_group = 1;
-    m->moe.routed_scaling_factor = 1.0f;
-    cb_mla_shape *s = &m->mla;
-    if (cb_hp_int(hp, "hidden_size", &m->hidden, err, errlen) ||
-        cb_hp_int(hp, "num_hidden_layers", &m->n_layers, err, errlen) ||
-        cb_hp_int(hp, "num_attention_heads", &s->n_heads, err, errlen) ||
-        cb_hp_int(hp, "vocab_size", &m->vocab, err, errlen) ||
-        cb_hp_int(hp, "intermediate_size", &m->inter, err, errlen) ||
-        cb_hp_int(hp, "moe_intermediate_size", &m->moe.inter, err, errlen) ||
-        cb_hp_int(hp, "n_routed_experts", &m->moe.n_experts, err, errlen) ||
-        cb_hp_int(hp, "num_experts_per_tok", &m->moe.top_k, err, errlen) ||
-        cb_hp_int_opt(hp, "n_shared_experts", &m->moe.n_shared, err, errlen) ||
-        cb_hp_int_opt(hp, "n_group", &m->moe.n_group, err, errlen) ||
-        cb_hp_int_opt(hp, "topk_group", &m->moe.topk_group, err, errlen) ||
-        cb_hp_bool_opt(hp, "norm_topk_prob", &m->moe.norm_topk_prob, err, errlen) ||
-        cb_hp_float_opt(hp, "routed_scaling_factor", &m->moe.routed_scaling_factor, err, errlen) ||
-        cb_hp_float_opt(hp, "rms_norm_eps", &m->eps, err, errlen) ||
-        cb_hp_bool_opt(hp, "tie_word_embeddings", &m->tied, err, errlen) ||
-        cb_hp_bool_opt(hp, "attention_bias", &s->bias, err, errlen) ||
-        cb_hp_int_opt(hp, "q_lora_rank", &s->q_lora, err, errlen) ||
-        cb_hp_int(hp, "kv_lora_rank", &s->kv_lora, err, errlen) ||
-        cb_hp_int(hp, "qk_nope_head_dim", &s->nope, err, errlen) ||
-        cb_hp_int(hp, "qk_rope_head_dim", &s->rope, err, errlen) ||
-        cb_hp_int(hp, "v_head_dim", &s->v_dim, err, errlen))
-        return -1;
-    if (m->hidden < 1 || m->n_layers < 1 || s->n_heads < 1 || m->vocab < 1 || m->inter < 1 || m->moe.inter < 1 ||
-        m->moe.n_shared < 0 || m->eps <= 0) {
-        snprintf(err, errlen, "--set hyperparameters out of range (sizes must be positive)");
-        return -1;
-    }
-    m->moe.hidden = s->hidden = m->hidden;
-    s->lora_eps = 1e-6f;
-    s->scale = 1.0f / sqrtf((float)(s->nope + s->rope));
-    if (cb_hp_float_opt(hp, "attention_scale", &s->scale, err, errlen)) return -1;
-    m->kv_width = s->kv_lora + s->rope;
-    *mlp_layers = cb_hp_str_opt(hp, "mlp_layers", NULL);
-    if (!*mlp_layers || (int)strlen(*mlp_layers) != m->n_layers || strspn(*mlp_layers, "DM") != strlen(*mlp_layers)) {
-        snprintf(err, errlen, "--set mlp_layers: needs exactly %d letters, D (dense) or M (MoE), one per layer",
-                 m->n_layers);
-        return -1;
-    }
-    if (!m->sparse) return 0;
-    cb_dsa_shape *d = &m->dsa;
-    d->hidden = m->hidden;
-    d->q_lora = s->q_lora;
-    d->rope_dim = s->rope;
-    if (cb_hp_int(hp, "index_n_heads", &d->n_heads, err, errlen) ||
-        cb_hp_int(hp, "index_head_dim", &d->head_dim, err, errlen) ||
-        cb_hp_int(hp, "index_topk", &d->topk, err, errlen))
-        return -1;
-    m->index_col = m->kv_width;
-    m->kv_width += d->head_dim;
-    return 0;
-}
-
-static int load_layer(ds *m, int l, char mlp, int cap, size_t *dense, char *err, size_t errlen) {
-    ds_layer *L = &m->layers[l];
-    char name[256];
-    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-    if (cb_load_vector(&L->attn_norm, &m->idx, name, m->hidden, dense, err, errlen)) return -1;
-    snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-    if (cb_load_vector(&L->ffn_norm, &m->idx, name, m->hidden, dense, err, errlen)) return -1;
-    snprintf(name, sizeof name, "model.layers.%d.self_attn.", l);
-    if (cb_mla_init(&L->mla, &m->idx, name, &m->mla, m->max_batch, m->ctx, dense, err, errlen)) return -1;
-    if (m->sparse) {
-        snprintf(name, sizeof name, "model.layers.%d.self_attn.indexer.", l);
-        if (cb_dsa_init(&L->dsa, &m->idx, name, &m->dsa, m->max_batch, m->ctx, dense, err, errlen)) return -1;
-        L->has_indexer = 1;
-    }
-    if (mlp == 'M') {
-        if (cb_grouped_moe_init(&L->moe, &m->idx, l, "model.layers.%d.mlp.", &m->moe, 1, cap, m->max_batch, dense,
-                                err, errlen))
-            return -1;
-        L->is_moe = 1;
-        m->expert_layers[m->n_expert_layers++] = &L->moe.moe.store;
-        return 0;
-    }
-    snprintf(name, sizeof name, "model.layers.%d.mlp.", l);
-    return cb_swiglu_init(&L->dense, &m->idx, name, m->hidden, m->inter, m->max_batch, dense, err, errlen);
-}
+static const cb_recipe RECIPE = {
+    .hparams = HPARAMS, .model_size = sizeof(ds), .layer_size = sizeof(cb_latent), .layers_at = offsetof(ds, layers),
+    .routed = CB_FFN_GROUPED, .setup = setup, .load_layer = load_layer, .finish = finish, .mixer = attention,
+    .free_layer = cb_latent_free_layer, .free_model = free_model,
+};
 
 static int ds_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {
-    ds *m = calloc(1, sizeof *m);
-    if (!m) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
-    m->max_batch = a->max_batch;
-    m->ctx = a->ctx;
-    const char *mlp_layers = NULL;
-    if (read_hparams(m, a->hp, &mlp_layers, err, errlen)) goto fail;
-    int interleave = 1;
-    if (!m->sparse && cb_hp_bool_opt(a->hp, "rope_interleave", &interleave, err, errlen)) goto fail;
-    if (cb_rope_init(&m->rope, a->hp, m->mla.rope, !interleave, err, errlen)) goto fail;
-    if (m->sparse && cb_rope_init(&m->index_rope, a->hp, m->mla.rope, 1, err, errlen)) goto fail;
-    if (cb_st_open(&m->idx, a->model_dir, err, errlen)) goto fail;
-    size_t dense = 0;
-    if (cb_load_linear(&m->embed, &m->idx, "model.embed_tokens.weight", m->vocab, m->hidden, &dense, err, errlen) ||
-        cb_load_vector(&m->final_norm, &m->idx, "model.norm.weight", m->hidden, &dense, err, errlen))
-        goto fail;
-    if (m->tied) m->lm_head = m->embed;
-    else if (cb_load_linear(&m->lm_head, &m->idx, "lm_head.weight", m->vocab, m->hidden, &dense, err, errlen))
-        goto fail;
-    m->layers = calloc((size_t)m->n_layers, sizeof *m->layers);
-    m->expert_layers = calloc((size_t)m->n_layers, sizeof *m->expert_layers);
-    if (!m->layers || !m->expert_layers) {
-        snprintf(err, errlen, "out of memory");
-        goto fail;
-    }
-    size_t cache = 0;
-    for (int l = 0; l < m->n_layers; l++) {
-        if (load_layer(m, l, mlp_layers[l], a->cap, &dense, err, errlen)) goto fail;
-        if (m->layers[l].is_moe) cache += cb_experts_cache_bytes(&m->layers[l].moe.moe.store);
-    }
-    size_t B = (size_t)m->max_batch, H = (size_t)m->hidden;
-    m->x = malloc(B * H * sizeof(float));
-    m->h = malloc(B * H * sizeof(float));
-    m->proj = malloc(B * H * sizeof(float));
-    if (!m->x || !m->h || !m->proj) goto oom;
-    if (m->sparse) {
-        m->sel = malloc(B * (size_t)m->dsa.topk * sizeof(int));
-        m->n_sel = malloc(B * sizeof(int));
-        if (!m->sel || !m->n_sel) goto oom;
-    }
-    info->vocab = m->vocab;
-    info->n_layers = m->n_layers;
-    info->kv_dim = m->kv_width;
-    info->kv_k_only = 1;
-    info->dense_bytes = dense;
-    info->expert_cache_bytes = cache + cb_experts_staging_bytes();
-    info->n_expert_layers = m->n_expert_layers;
-    info->expert_layers = m->expert_layers;
-    *out = m;
-    return 0;
-oom:
-    snprintf(err, errlen, "out of memory for activations");
-fail:
-    ds_free(m);
-    return -1;
+    return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static int ds_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
-                      char *err, size_t errlen) {
-    ds *m = ptr;
-    int H = m->hidden;
-    for (int i = 0; i < n; i++) cb_embed(m->x + (size_t)i * H, &m->embed, tokens[i]);
-    for (int l = 0; l < m->n_layers; l++) {
-        ds_layer *L = &m->layers[l];
-        for (int i = 0; i < n; i++) cb_rmsnorm(m->h + (size_t)i * H, m->x + (size_t)i * H, L->attn_norm, H, m->eps);
-        cb_mla_project(&L->mla, m->h, n, pos0, kv, l, &m->rope);
-        if (m->sparse) {
-            cb_dsa_select(&L->dsa, m->h, L->mla.q_resid, n, pos0, kv, l, m->index_col, &m->index_rope, m->sel,
-                          m->n_sel);
-            cb_mla_attend(&L->mla, m->proj, n, pos0, kv, l, m->sel, m->n_sel, m->dsa.topk);
-        } else {
-            cb_mla_attend(&L->mla, m->proj, n, pos0, kv, l, NULL, NULL, 0);
-        }
-        cb_add(m->x, m->proj, (size_t)n * H);
-        for (int i = 0; i < n; i++) cb_rmsnorm(m->h + (size_t)i * H, m->x + (size_t)i * H, L->ffn_norm, H, m->eps);
-        if (L->is_moe) {
-            if (cb_grouped_moe_forward(&L->moe, m->proj, m->h, n, err, errlen)) return -1;
-        } else {
-            cb_swiglu_forward(&L->dense, m->proj, m->h, n);
-        }
-        cb_add(m->x, m->proj, (size_t)n * H);
-    }
-    int first = all_logits ? 0 : n - 1, rows = n - first;
-    for (int i = first; i < n; i++)
-        cb_rmsnorm(m->h + (size_t)(i - first) * H, m->x + (size_t)i * H, m->final_norm, H, m->eps);
-    cb_linear_apply(&m->lm_head, logits, m->h, rows);
-    return 0;
-}
-
-static const cb_family ds_family = {"deepseek-v4", ds_load, ds_forward, ds_free};
+static const cb_family ds_family = {"deepseek-v4", ds_load, cb_decoder_forward, cb_decoder_unload};
 
 /* deepseek_v4.c: DeepSeek-V4's compressed attention and hyper-connections, a different composition. */
 extern const cb_family deepseek_v4_family;

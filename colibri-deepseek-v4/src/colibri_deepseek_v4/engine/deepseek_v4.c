@@ -75,6 +75,8 @@ typedef struct {
     const float **rows, **slot_kv, **slot_g;
     int *picked;
     unsigned char *taken;
+    const char *layer_kinds, *mlp_layers, *attention;   /* --set strings (attention=v4 chose this engine) */
+    const char *main_theta, *main_partial;               /* the sliding-window layers' RoPE */
 } v4;
 
 static void free_layer(v4_layer *L) {
@@ -122,18 +124,7 @@ static int load_f32(float **out, const cb_st_index *idx, const char *name, int n
     }
     size_t n = 1;
     for (int i = 0; i < ndim; i++) n *= (size_t)dims[i];
-    void *raw = cb_st_load(idx, t, err, errlen);
-    if (!raw) return -1;
-    *out = malloc(n * sizeof(float));
-    if (!*out) {
-        free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
-        return -1;
-    }
-    cb_convert_to_f32(*out, raw, t->dtype, n);
-    free(raw);
-    if (bytes) *bytes += n * sizeof(float);
-    return 0;
+    return cb_load_f32(out, idx, t, n, bytes, err, errlen);
 }
 
 /* The hash-routing table [vocab, top_k] (I64 or I32 on disk), checked against the expert count. */
@@ -172,70 +163,44 @@ static int load_tid2eid(int32_t **out, const v4 *m, const char *name, char *err,
     return 0;
 }
 
-static int read_hparams(v4 *m, cb_hparams *hp, const char **kinds, const char **mlps, char *err, size_t errlen) {
-    m->eps = 1e-6f;
-    m->scaling = 1.5f;
-    m->swiglu_limit = 10.0f;
-    m->n_shared = 1;
+static const cb_hp_spec HPARAMS[] = {
+    CB_HP_TEXT("attention", v4, attention, NULL),
+    CB_HP_REQ("hidden_size", v4, hidden), CB_HP_REQ("num_hidden_layers", v4, n_layers),
+    CB_HP_REQ("num_attention_heads", v4, n_heads), CB_HP_REQ("vocab_size", v4, vocab),
+    CB_HP_REQ("head_dim", v4, head_dim), CB_HP_REQ("q_lora_rank", v4, q_lora), CB_HP_REQ("o_groups", v4, o_groups),
+    CB_HP_REQ("o_lora_rank", v4, o_lora), CB_HP_REQ("sliding_window", v4, window), CB_HP_REQ("csa_rate", v4, csa_rate),
+    CB_HP_REQ("hca_rate", v4, hca_rate), CB_HP_REQ("index_n_heads", v4, ix_heads),
+    CB_HP_REQ("index_head_dim", v4, ix_dim), CB_HP_REQ("index_topk", v4, ix_topk),
+    CB_HP_REQ("moe_intermediate_size", v4, inter), CB_HP_REQ("n_routed_experts", v4, n_experts),
+    CB_HP_REQ("num_experts_per_tok", v4, top_k), CB_HP_OPT("n_shared_experts", v4, n_shared, 1, CB_HP_NONNEG),
+    CB_HP_NUM("routed_scaling_factor", v4, scaling, 1.5, CB_HP_ANY),
+    CB_HP_NUM("swiglu_limit", v4, swiglu_limit, 10.0, CB_HP_ANY),
+    CB_HP_NUM("rms_norm_eps", v4, eps, 1e-6, CB_HP_POSITIVE), CB_HP_FLAG("tie_word_embeddings", v4, tied, 0),
+    CB_HP_REQ("hc_mult", v4, hc.hc), CB_HP_REQ("hc_sinkhorn_iters", v4, hc.sinkhorn_iters),
+    {"hc_eps", CB_HP_FLOAT, offsetof(v4, hc.hc_eps), 0, CB_HP_ANY, NULL, 0},
+    CB_HP_PER_LAYER("layer_kinds", v4, layer_kinds, "SHC", n_layers),   /* S sliding, H HCA, C CSA */
+    CB_HP_PER_LAYER("mlp_layers", v4, mlp_layers, "HM", n_layers),      /* H hash-routed, M MoE */
+    CB_HP_TEXT("main_rope_theta", v4, main_theta, "10000.0"),
+    CB_HP_TEXT("partial_rotary_factor", v4, main_partial, "1.0"), CB_HP_END,
+};
+
+static int read_hparams(v4 *m, cb_hparams *hp, char *err, size_t errlen) {
     m->hc = (cb_hc_shape){4, 0, 20, 1e-6f, 1e-6f};
-    (void)cb_hp_str_opt(hp, "attention", NULL);   /* "v4": how deepseek.c chose this engine */
-    if (cb_hp_int(hp, "hidden_size", &m->hidden, err, errlen) ||
-        cb_hp_int(hp, "num_hidden_layers", &m->n_layers, err, errlen) ||
-        cb_hp_int(hp, "num_attention_heads", &m->n_heads, err, errlen) ||
-        cb_hp_int(hp, "vocab_size", &m->vocab, err, errlen) ||
-        cb_hp_int(hp, "head_dim", &m->head_dim, err, errlen) ||
-        cb_hp_int(hp, "q_lora_rank", &m->q_lora, err, errlen) ||
-        cb_hp_int(hp, "o_groups", &m->o_groups, err, errlen) ||
-        cb_hp_int(hp, "o_lora_rank", &m->o_lora, err, errlen) ||
-        cb_hp_int(hp, "sliding_window", &m->window, err, errlen) ||
-        cb_hp_int(hp, "csa_rate", &m->csa_rate, err, errlen) ||
-        cb_hp_int(hp, "hca_rate", &m->hca_rate, err, errlen) ||
-        cb_hp_int(hp, "index_n_heads", &m->ix_heads, err, errlen) ||
-        cb_hp_int(hp, "index_head_dim", &m->ix_dim, err, errlen) ||
-        cb_hp_int(hp, "index_topk", &m->ix_topk, err, errlen) ||
-        cb_hp_int(hp, "moe_intermediate_size", &m->inter, err, errlen) ||
-        cb_hp_int(hp, "n_routed_experts", &m->n_experts, err, errlen) ||
-        cb_hp_int(hp, "num_experts_per_tok", &m->top_k, err, errlen) ||
-        cb_hp_int_opt(hp, "n_shared_experts", &m->n_shared, err, errlen) ||
-        cb_hp_float_opt(hp, "routed_scaling_factor", &m->scaling, err, errlen) ||
-        cb_hp_float_opt(hp, "swiglu_limit", &m->swiglu_limit, err, errlen) ||
-        cb_hp_float_opt(hp, "rms_norm_eps", &m->eps, err, errlen) ||
-        cb_hp_bool_opt(hp, "tie_word_embeddings", &m->tied, err, errlen) ||
-        cb_hp_int(hp, "hc_mult", &m->hc.hc, err, errlen) ||
-        cb_hp_int(hp, "hc_sinkhorn_iters", &m->hc.sinkhorn_iters, err, errlen) ||
-        cb_hp_float(hp, "hc_eps", &m->hc.hc_eps, err, errlen))
-        return -1;
-    if (m->hidden < 1 || m->n_layers < 1 || m->n_heads < 1 || m->vocab < 1 || m->head_dim < 2 || m->q_lora < 1 ||
-        m->o_groups < 1 || m->n_heads % m->o_groups || m->o_lora < 1 || m->window < 1 || m->csa_rate < 1 ||
-        m->hca_rate < 1 || m->ix_heads < 1 || m->ix_dim < 2 || m->ix_topk < 1 || m->inter < 1 ||
-        m->n_experts < 1 || m->top_k < 1 || m->top_k > m->n_experts || m->n_shared < 0 || m->hc.hc < 1 ||
-        m->hc.sinkhorn_iters < 1 || m->eps <= 0) {
-        snprintf(err, errlen, "--set hyperparameters out of range (sizes positive, o_groups divides the heads, "
-                              "top_k <= experts)");
+    if (cb_hp_read(hp, HPARAMS, m, err, errlen)) return -1;
+    if (m->head_dim < 2 || m->n_heads % m->o_groups || m->ix_dim < 2 || m->top_k > m->n_experts) {
+        snprintf(err, errlen, "--set hyperparameters out of range (head_dim and index_head_dim >= 2, o_groups "
+                              "divides the heads, top_k <= experts)");
         return -1;
     }
     m->hc.hidden = m->hidden;
     m->hc.norm_eps = m->eps;
-    *kinds = cb_hp_str_opt(hp, "layer_kinds", "");
-    *mlps = cb_hp_str_opt(hp, "mlp_layers", "");
-    if ((int)strlen(*kinds) != m->n_layers || strspn(*kinds, "SHC") != strlen(*kinds)) {
-        snprintf(err, errlen, "--set layer_kinds: needs exactly %d letters, S (sliding), H (HCA) or C (CSA)",
-                 m->n_layers);
-        return -1;
-    }
-    if ((int)strlen(*mlps) != m->n_layers || strspn(*mlps, "HM") != strlen(*mlps)) {
-        snprintf(err, errlen, "--set mlp_layers: needs exactly %d letters, H (hash-routed) or M (MoE)", m->n_layers);
-        return -1;
-    }
     return 0;
 }
 
 /* The sliding-window layers' RoPE: --set main_rope_theta, default type, the same rotated width. */
-static int main_rope_init(cb_rope *r, cb_hparams *hp, int head_dim, char *err, size_t errlen) {
-    const char *theta = cb_hp_str_opt(hp, "main_rope_theta", "10000.0");
-    const char *partial = cb_hp_str_opt(hp, "partial_rotary_factor", "1.0");
+static int main_rope_init(cb_rope *r, const v4 *m, int head_dim, char *err, size_t errlen) {
     char *keys[2] = {"rope_theta", "partial_rotary_factor"};
-    char *values[2] = {(char *)theta, (char *)partial};
+    char *values[2] = {(char *)m->main_theta, (char *)m->main_partial};
     int used[2] = {0, 0};
     cb_hparams sub = {2, keys, values, used};
     return cb_rope_init(r, &sub, head_dim, 0, err, errlen);
@@ -362,9 +327,9 @@ static int v4_load(void **out, const cb_load_args *a, cb_model_info *info, char 
     }
     m->max_batch = a->max_batch;
     m->ctx = a->ctx;
-    const char *kinds = NULL, *mlps = NULL;
-    if (read_hparams(m, a->hp, &kinds, &mlps, err, errlen)) goto fail;
-    if (main_rope_init(&m->main_rope, a->hp, m->head_dim, err, errlen) ||
+    if (read_hparams(m, a->hp, err, errlen)) goto fail;
+    const char *kinds = m->layer_kinds, *mlps = m->mlp_layers;
+    if (main_rope_init(&m->main_rope, m, m->head_dim, err, errlen) ||
         cb_rope_init(&m->comp_rope, a->hp, m->head_dim, 0, err, errlen))
         goto fail;
     if (m->comp_rope.rot_dim > m->ix_dim || m->main_rope.rot_dim != m->comp_rope.rot_dim) {
@@ -574,7 +539,7 @@ static void attention(v4 *m, v4_layer *L, int layer, cb_kv *kv, const float *h, 
         int gin = NH * D / G;
         for (int g = 0; g < G; g++)
             cb_matvec(m->ga + (size_t)i * G * R + (size_t)g * R,
-                      (const char *)L->wo_a.w + (size_t)g * R * gin * cb_dtype_size(L->wo_a.dt), L->wo_a.dt,
+                      (const char *)L->wo_a.m.f.w + (size_t)g * R * gin * cb_dtype_size(L->wo_a.m.f.dt), L->wo_a.m.f.dt,
                       o + (size_t)g * gin, R, gin);
     }
     cb_linear_apply(&L->wo_b, out, m->ga, n);

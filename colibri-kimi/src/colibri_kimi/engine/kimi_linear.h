@@ -2,7 +2,7 @@
 #ifndef COLIBRI_KIMI_LINEAR_H
 #define COLIBRI_KIMI_LINEAR_H
 
-#include "engine.h"
+#include "family.h"
 
 extern const cb_family cb_kimi_linear_family;
 

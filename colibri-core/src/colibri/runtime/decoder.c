@@ -1,0 +1,256 @@
+/* decoder.c: see decoder.h. */
+#include "decoder.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NAME_LEN 384
+#define PREFIX_LEN 256      /* a formatted prefix, with room left in NAME_LEN for the leaf after it */
+
+int cb_oom(char *err, size_t errlen, const char *what) {
+    snprintf(err, errlen, "out of memory for %s", what);
+    return -1;
+}
+
+/* ---- declared tensors ---- */
+
+static int field_int(const void *model, size_t at) { return *(const int *)((const char *)model + at); }
+
+int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
+                    size_t *bytes, char *err, size_t errlen) {
+    char name[NAME_LEN];
+    for (const cb_tensor_spec *t = table; t->name; t++) {
+        if (t->when != CB_ALWAYS && !field_int(model, t->when)) continue;
+        snprintf(name, sizeof name, t->name, l);
+        void *at = (char *)layer + t->at;
+        int rows = field_int(model, t->rows);
+        int rc = t->kind == CB_TENSOR_LINEAR
+                     ? cb_load_linear(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen)
+                     : cb_load_vector(at, idx, name, rows, bytes, err, errlen);
+        if (rc) return -1;
+    }
+    return 0;
+}
+
+void cb_free_tensors(void *layer, const cb_tensor_spec *table) {
+    for (const cb_tensor_spec *t = table; t->name; t++) {
+        void *at = (char *)layer + t->at;
+        if (t->kind == CB_TENSOR_LINEAR) {
+            cb_linear_free(at);
+        } else {
+            free(*(float **)at);
+            *(float **)at = NULL;
+        }
+    }
+}
+
+/* ---- loading ---- */
+
+static int load_vector_fmt(float **out, cb_decoder *d, const char *fmt, int l, char *err, size_t errlen) {
+    char name[NAME_LEN];
+    snprintf(name, sizeof name, fmt, l);
+    return cb_load_vector(out, &d->idx, name, d->hidden, &d->dense_bytes, err, errlen);
+}
+
+/* A dense layer's prefix: the first candidate whose gate_proj is stored (as float, or quantized in a container),
+ * else the last (whose missing tensor the load error then names). */
+static const char *dense_prefix(const cb_decoder *d, const cb_recipe *r, int l) {
+    const char *last = "model.layers.%d.mlp.";
+    for (int i = 0; i < 3 && r->dense_prefixes[i]; i++) {
+        last = r->dense_prefixes[i];
+        char stem[PREFIX_LEN], name[NAME_LEN];
+        snprintf(stem, sizeof stem, r->dense_prefixes[i], l);
+        snprintf(name, sizeof name, "%sgate_proj.weight", stem);
+        if (cb_st_find(&d->idx, name)) return r->dense_prefixes[i];
+        snprintf(name, sizeof name, "%sgate_proj.qweight", stem);
+        if (cb_st_find(&d->idx, name)) return r->dense_prefixes[i];
+    }
+    return last;
+}
+
+static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t errlen) {
+    cb_ffn *f = &d->ffn[l];
+    const char *moe_prefix = r->moe_prefix ? r->moe_prefix : "model.layers.%d.mlp.";
+    char name[PREFIX_LEN];
+    if (d->ffn_layers && d->ffn_layers[l] == 'D') {
+        snprintf(name, sizeof name, dense_prefix(d, r, l), l);
+        if (cb_swiglu_init(&f->dense, &d->idx, name, d->hidden, d->inter, d->max_batch, &d->dense_bytes, err,
+                           errlen))
+            return -1;
+        f->kind = CB_FFN_DENSE;
+        return 0;
+    }
+    cb_expert_layer *store;
+    if (r->routed == CB_FFN_GROUPED) {
+        if (cb_grouped_moe_init(&f->grouped, &d->idx, l, moe_prefix, &d->moe, 1, d->cap, d->max_batch,
+                                &d->dense_bytes, err, errlen))
+            return -1;
+        store = &f->grouped.moe.store;
+    } else {
+        char router[NAME_LEN], mats[3][NAME_LEN];
+        static const char *const leaves[3] = {"gate_proj", "up_proj", "down_proj"};
+        snprintf(name, sizeof name, moe_prefix, l);
+        snprintf(router, sizeof router, "%sgate.weight", name);
+        for (int m = 0; m < 3; m++) snprintf(mats[m], sizeof mats[m], "%sexperts.%%d.%s.weight", moe_prefix, leaves[m]);
+        const char *const names[3] = {mats[0], mats[1], mats[2]};
+        const cb_grouped_moe_shape *s = &d->moe;
+        if (cb_moe_init(&f->moe, &d->idx, l, router, names, s->n_experts, s->top_k, s->norm_topk_prob, d->hidden,
+                        s->inter, d->cap, d->max_batch, &d->dense_bytes, err, errlen))
+            return -1;
+        store = &f->moe.store;
+    }
+    f->kind = r->routed;
+    d->expert_layers[d->n_expert_layers++] = store;
+    d->cache_bytes += cb_experts_cache_bytes(store);
+    return 0;
+}
+
+static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
+                    size_t errlen) {
+    cb_decoder *d = m;
+    d->recipe = r;
+    d->max_batch = a->max_batch;
+    d->ctx = a->ctx;
+    d->cap = a->cap;
+    if (cb_hp_read(a->hp, r->hparams, m, err, errlen)) return -1;
+    d->moe.hidden = d->hidden;
+    if (r->setup && r->setup(m, a->hp, err, errlen)) return -1;
+    if (cb_st_open(&d->idx, a->model_dir, err, errlen)) return -1;
+    if (cb_load_linear(&d->embed, &d->idx, "model.embed_tokens.weight", d->vocab, d->hidden, &d->dense_bytes, err,
+                       errlen) ||
+        cb_load_vector(&d->final_norm, &d->idx, "model.norm.weight", d->hidden, &d->dense_bytes, err, errlen))
+        return -1;
+    if (d->tied) d->lm_head = d->embed;
+    else if (cb_load_linear(&d->lm_head, &d->idx, "lm_head.weight", d->vocab, d->hidden, &d->dense_bytes, err,
+                            errlen))
+        return -1;
+    size_t L = (size_t)d->n_layers;
+    char *layers = calloc(L, r->layer_size);
+    *(void **)((char *)m + r->layers_at) = layers;
+    d->attn_norm = calloc(L, sizeof *d->attn_norm);
+    d->ffn_norm = calloc(L, sizeof *d->ffn_norm);
+    d->ffn = calloc(L, sizeof *d->ffn);
+    d->expert_layers = calloc(L, sizeof *d->expert_layers);
+    if (!layers || !d->attn_norm || !d->ffn_norm || !d->ffn || !d->expert_layers) return cb_oom(err, errlen, "layers");
+    for (int l = 0; l < d->n_layers; l++)
+        if (load_vector_fmt(&d->attn_norm[l], d, "model.layers.%d.input_layernorm.weight", l, err, errlen) ||
+            load_vector_fmt(&d->ffn_norm[l], d, "model.layers.%d.post_attention_layernorm.weight", l, err, errlen) ||
+            (r->tensors && cb_load_tensors(layers + (size_t)l * r->layer_size, m, r->tensors, l, &d->idx,
+                                           &d->dense_bytes, err, errlen)) ||
+            (r->load_layer && r->load_layer(m, l, err, errlen)) || load_ffn(d, r, l, err, errlen))
+            return -1;
+    size_t B = (size_t)d->max_batch, H = (size_t)d->hidden;
+    d->x = malloc(B * H * sizeof(float));
+    d->h = malloc(B * H * sizeof(float));
+    d->proj = malloc(B * H * sizeof(float));
+    if (!d->x || !d->h || !d->proj) return cb_oom(err, errlen, "activations");
+    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) {
+        float **buf = (float **)((char *)m + s->at);
+        size_t floats = B * (size_t)s->mult * (size_t)field_int(m, s->width);
+        if (floats && !(*buf = malloc(floats * sizeof(float))))
+            return cb_oom(err, errlen, "activations");
+    }
+    info->vocab = d->vocab;
+    info->n_layers = d->n_layers;
+    info->dense_bytes = d->dense_bytes;
+    info->expert_cache_bytes = d->cache_bytes + cb_experts_staging_bytes();
+    info->n_expert_layers = d->n_expert_layers;
+    info->expert_layers = d->expert_layers;
+    return r->finish ? r->finish(m, info, err, errlen) : 0;
+}
+
+int cb_decoder_load(void **out, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
+                    size_t errlen) {
+    void *m = calloc(1, r->model_size);
+    if (!m) return cb_oom(err, errlen, "the model");
+    if (load_all(m, r, a, info, err, errlen)) {
+        cb_decoder_unload(m);
+        return -1;
+    }
+    *out = m;
+    return 0;
+}
+
+void cb_decoder_unload(void *model) {
+    cb_decoder *d = model;
+    if (!d) return;
+    const cb_recipe *r = d->recipe;
+    char *layers = *(char **)((char *)model + r->layers_at);
+    for (int l = 0; layers && l < d->n_layers; l++) {
+        void *layer = layers + (size_t)l * r->layer_size;
+        if (r->tensors) cb_free_tensors(layer, r->tensors);
+        if (r->free_layer) r->free_layer(model, layer);
+    }
+    if (r->free_model) r->free_model(model);
+    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) free(*(float **)((char *)model + s->at));
+    free(layers);
+    for (int l = 0; l < d->n_layers; l++) {
+        if (d->attn_norm) free(d->attn_norm[l]);
+        if (d->ffn_norm) free(d->ffn_norm[l]);
+        cb_ffn *f = d->ffn ? &d->ffn[l] : NULL;
+        if (!f) continue;
+        if (f->kind == CB_FFN_DENSE) cb_swiglu_free(&f->dense);
+        else if (f->kind == CB_FFN_MOE) cb_moe_free(&f->moe);
+        else if (f->kind == CB_FFN_GROUPED) cb_grouped_moe_free(&f->grouped);
+    }
+    free(d->attn_norm);
+    free(d->ffn_norm);
+    free(d->ffn);
+    free(d->expert_layers);
+    cb_linear_free(&d->embed);
+    if (!d->tied) cb_linear_free(&d->lm_head);
+    free(d->final_norm);
+    free(d->x);
+    free(d->h);
+    free(d->proj);
+    cb_st_close(&d->idx);
+    free(model);
+}
+
+/* ---- the forward scaffolding ---- */
+
+static void norm_rows(cb_decoder *d, float *out, const float *x, const float *w, int n) {
+    size_t H = (size_t)d->hidden;
+    for (int i = 0; i < n; i++) cb_rmsnorm(out + (size_t)i * H, x + (size_t)i * H, w, d->hidden, d->eps);
+}
+
+void cb_decoder_embed(cb_decoder *d, const int *tokens, int n) {
+    for (int i = 0; i < n; i++) cb_embed(d->x + (size_t)i * (size_t)d->hidden, &d->embed, tokens[i]);
+}
+
+void cb_decoder_attn_norm(cb_decoder *d, int l, int n) { norm_rows(d, d->h, d->x, d->attn_norm[l], n); }
+
+void cb_decoder_residual(cb_decoder *d, int n) { cb_add(d->x, d->proj, (size_t)n * (size_t)d->hidden); }
+
+int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
+    cb_ffn *f = &d->ffn[l];
+    norm_rows(d, d->h, d->x, d->ffn_norm[l], n);
+    int rc = 0;
+    if (f->kind == CB_FFN_DENSE) cb_swiglu_forward(&f->dense, d->proj, d->h, n);
+    else if (f->kind == CB_FFN_MOE) rc = cb_moe_forward(&f->moe, d->proj, d->h, n, err, errlen);
+    else rc = cb_grouped_moe_forward(&f->grouped, d->proj, d->h, n, err, errlen);
+    if (rc) return -1;
+    cb_decoder_residual(d, n);
+    return 0;
+}
+
+void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits) {
+    int first = all_logits ? 0 : n - 1;
+    norm_rows(d, d->h, d->x + (size_t)first * (size_t)d->hidden, d->final_norm, n - first);
+    cb_linear_apply(&d->lm_head, logits, d->h, n - first);
+}
+
+int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
+                       char *err, size_t errlen) {
+    cb_decoder *d = model;
+    cb_decoder_embed(d, tokens, n);
+    for (int l = 0; l < d->n_layers; l++) {
+        cb_decoder_attn_norm(d, l, n);
+        if (d->recipe->mixer(model, l, kv, n, pos0, err, errlen)) return -1;
+        cb_decoder_residual(d, n);
+        if (cb_decoder_ffn(d, l, n, err, errlen)) return -1;
+    }
+    cb_decoder_logits(d, logits, n, all_logits);
+    return 0;
+}

@@ -1,0 +1,183 @@
+/* decoder.h: the scaffolding every pre-norm MoE decoder shares, so a family engine is a recipe.
+ *
+ *     x = embed(tokens)
+ *     per layer:  x += mixer(rmsnorm(x, input_layernorm))          the family's own block (GQA, MLA, DeltaNet, ...)
+ *                 x += ffn(rmsnorm(x, post_attention_layernorm))   dense SwiGLU, softmax MoE or grouped MoE
+ *     logits = lm_head(rmsnorm(x, norm))                           of the last row, or of every row
+ *
+ * The decoder owns the checkpoint index, the embedding, the final norm, the (tied) LM head, both norms and the
+ * FFN of every layer, the expert-store registry the process reads for stats, and the activations x, h, proj. A
+ * family puts a cb_decoder first in its model struct, describes its hyperparameters in a cb_hp_spec table (starting
+ * with CB_DECODER_HPARAMS and, for a routed FFN, CB_DECODER_MOE_HPARAMS or CB_DECODER_GROUPED_HPARAMS) and its
+ * per-layer tensors in a cb_tensor_spec table, and writes the mixer; its cb_recipe ties them together, and
+ *
+ *     static const cb_family fam = {"name", my_load, cb_decoder_forward, cb_decoder_unload};
+ *
+ * with my_load calling cb_decoder_load(out, &recipe, ...). Tensor names are the
+ * Hugging Face Llama layout (model.embed_tokens, model.layers.<l>.input_layernorm, ..., lm_head); the FFN prefixes
+ * are the recipe's.
+ */
+#ifndef COLIBRI_DECODER_H
+#define COLIBRI_DECODER_H
+
+#include <stddef.h>
+
+#include "blocks.h"
+#include "family.h"
+#include "grouped_moe.h"
+#include "hparams.h"
+#include "swiglu.h"
+
+/* ---- per-layer tensors, declared ---- */
+
+typedef enum { CB_TENSOR_LINEAR = 0, CB_TENSOR_VECTOR = 1 } cb_tensor_kind;
+
+#define CB_ALWAYS ((size_t)-1)
+
+/* One tensor of a layer. The name is a printf format of the layer index; rows and cols are the offsets of int fields
+ * of the model struct (a vector has rows elements); `when` is the offset of an int flag of the model struct (the
+ * tensor is loaded only when it is non-zero), or CB_ALWAYS. */
+typedef struct {
+    const char *name;          /* NULL ends a table */
+    cb_tensor_kind kind;
+    size_t at;                 /* offset of the cb_linear / float * in the layer struct */
+    size_t rows, cols;
+    size_t when;
+} cb_tensor_spec;
+
+#define CB_LINEAR(name, LT, f, MT, rows, cols) \
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS}
+#define CB_LINEAR_IF(name, LT, f, MT, rows, cols, flag) \
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), offsetof(MT, flag)}
+#define CB_VECTOR(name, LT, f, MT, n) {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, CB_ALWAYS}
+#define CB_VECTOR_IF(name, LT, f, MT, n, flag) \
+    {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, offsetof(MT, flag)}
+#define CB_TENSORS_END {NULL, CB_TENSOR_LINEAR, 0, 0, 0, 0}
+
+/* Load the table's tensors of layer l into the layer struct (shapes from the model struct), adding their bytes to
+ * *bytes. 0, or -1 naming the tensor. */
+int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
+                    size_t *bytes, char *err, size_t errlen);
+/* Free what cb_load_tensors loaded (or any part of it). */
+void cb_free_tensors(void *layer, const cb_tensor_spec *table);
+
+/* ---- per-model scratch, declared ---- */
+
+/* A float buffer of max_batch x mult x (the int field at width) the decoder allocates after the layers and frees
+ * (none when that is 0). */
+typedef struct {
+    size_t at;                 /* offset of the float * in the model struct; 0 ends a table (the decoder is there) */
+    size_t width;
+    int mult;
+} cb_scratch_spec;
+
+#define CB_SCRATCH(MT, f, width_field, mult) {offsetof(MT, f), offsetof(MT, width_field), mult}
+#define CB_SCRATCH_END {0, 0, 0}
+
+/* ---- the feed-forward half of a layer ---- */
+
+typedef enum { CB_FFN_NONE = 0, CB_FFN_DENSE, CB_FFN_MOE, CB_FFN_GROUPED } cb_ffn_kind;
+
+typedef struct {
+    cb_ffn_kind kind;
+    cb_swiglu dense;           /* CB_FFN_DENSE */
+    cb_moe moe;                /* CB_FFN_MOE: softmax over all experts, top-k (OLMoE) */
+    cb_grouped_moe grouped;    /* CB_FFN_GROUPED: grouped sigmoid routing + shared experts (DeepSeek-V3 style) */
+} cb_ffn;
+
+/* ---- the decoder ---- */
+
+typedef struct {
+    /* hyperparameters (CB_DECODER_*_HPARAMS) */
+    int hidden, n_layers, vocab, tied;
+    float eps;
+    int inter;                 /* a dense layer's SwiGLU width */
+    cb_grouped_moe_shape moe;  /* routed experts: count, top-k, width and routing */
+    const char *ffn_layers;    /* one letter per layer, D dense / M MoE; NULL: every layer routed */
+    /* from the load arguments */
+    int max_batch, ctx, cap;
+    cb_st_index idx;
+    cb_linear embed, lm_head;
+    float *final_norm;
+    float **attn_norm, **ffn_norm;      /* per layer */
+    cb_ffn *ffn;                        /* per layer */
+    cb_expert_layer **expert_layers;
+    int n_expert_layers;
+    size_t dense_bytes, cache_bytes;
+    float *x, *h, *proj;                /* max_batch x hidden */
+    const struct cb_recipe *recipe;
+} cb_decoder;
+
+/* The decoder's keys, for a family struct T holding its cb_decoder as field d (eps: the family's default). */
+#define CB_DECODER_HPARAMS(T, d, eps_default)                                 \
+    CB_HP_REQ("hidden_size", T, d.hidden), CB_HP_REQ("num_hidden_layers", T, d.n_layers), \
+    CB_HP_REQ("vocab_size", T, d.vocab), CB_HP_NUM("rms_norm_eps", T, d.eps, eps_default, CB_HP_POSITIVE), \
+    CB_HP_FLAG("tie_word_embeddings", T, d.tied, 0)
+/* A softmax-routed FFN on every layer (OLMoE names). */
+#define CB_DECODER_MOE_HPARAMS(T, d)                                                                        \
+    CB_HP_REQ("intermediate_size", T, d.moe.inter), CB_HP_REQ("num_experts", T, d.moe.n_experts),           \
+    CB_HP_REQ("num_experts_per_tok", T, d.moe.top_k), CB_HP_FLAG("norm_topk_prob", T, d.moe.norm_topk_prob, 0)
+/* Dense leading layers and grouped-routed MoE layers (DeepSeek-V3 names; mlp_layers: D or M per layer). */
+#define CB_DECODER_GROUPED_HPARAMS(T, d)                                                                    \
+    CB_HP_REQ("intermediate_size", T, d.inter), CB_HP_REQ("moe_intermediate_size", T, d.moe.inter),        \
+    CB_HP_REQ("n_routed_experts", T, d.moe.n_experts), CB_HP_REQ("num_experts_per_tok", T, d.moe.top_k),   \
+    CB_HP_OPT("n_shared_experts", T, d.moe.n_shared, 0, CB_HP_NONNEG),                                      \
+    CB_HP_OPT("n_group", T, d.moe.n_group, 1, CB_HP_POSITIVE),                                              \
+    CB_HP_OPT("topk_group", T, d.moe.topk_group, 1, CB_HP_POSITIVE),                                        \
+    CB_HP_FLAG("norm_topk_prob", T, d.moe.norm_topk_prob, 1),                                               \
+    CB_HP_NUM("routed_scaling_factor", T, d.moe.routed_scaling_factor, 1.0, CB_HP_ANY),                     \
+    CB_HP_PER_LAYER("mlp_layers", T, d.ffn_layers, "DM", d.n_layers)
+
+/* A family's recipe. The model struct's FIRST member is its cb_decoder (so the decoder's calls take the model),
+ * and it holds a pointer to an array of its own layer structs at layers_at. */
+typedef struct cb_recipe {
+    const cb_hp_spec *hparams; /* the family's keys (with the decoder's), read into the model struct */
+    size_t model_size;         /* sizeof the model struct */
+    size_t layer_size;         /* sizeof the family's layer struct; the decoder allocates n_layers of them */
+    size_t layers_at;          /* offset of the model struct's pointer to them */
+    const cb_tensor_spec *tensors;   /* every layer's own tensors, loaded after its norms (may be NULL) */
+    const cb_scratch_spec *scratch;  /* the mixer's activations (may be NULL) */
+    cb_ffn_kind routed;        /* CB_FFN_MOE or CB_FFN_GROUPED for the layers that route (all, or mlp_layers M) */
+    const char *moe_prefix;    /* printf format of the layer (NULL: "model.layers.%d.mlp.") */
+    /* dense layers: the first prefix (printf of the layer) whose gate_proj exists, else the last (none given:
+     * "model.layers.%d.mlp.") */
+    const char *dense_prefixes[3];
+    /* after the hyperparameters: derived shapes, further tables, RoPE (may be NULL) */
+    int (*setup)(void *model, cb_hparams *hp, char *err, size_t errlen);
+    /* the rest of layer l's mixer, after its tensors (may be NULL) */
+    int (*load_layer)(void *model, int l, char *err, size_t errlen);
+    /* after every layer: scratch, and KV geometry / recurrent state into info (vocab, n_layers, bytes and experts
+     * are filled already) */
+    int (*finish)(void *model, cb_model_info *info, char *err, size_t errlen);
+    /* the mixer of layer l: reads d->h (the normed rows), writes d->proj; 0 or -1 with a message */
+    int (*mixer)(void *model, int l, cb_kv *kv, int n, int pos0, char *err, size_t errlen);
+    /* free what the family allocated beyond the tensors table: per layer, then the model's own (may be NULL) */
+    void (*free_layer)(void *model, void *layer);
+    void (*free_model)(void *model);
+} cb_recipe;
+
+/* Load a model as the recipe says into *out; on failure everything built is freed and -1 carries the message. */
+int cb_decoder_load(void **out, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
+                    size_t errlen);
+/* The whole forward pass of a recipe's model (a cb_family's forward): embed, per layer the norm, the recipe's
+ * mixer, the residual and the FFN, then the logits. */
+int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
+                       char *err, size_t errlen);
+/* Free a recipe's model (a cb_family's free). */
+void cb_decoder_unload(void *model);
+
+/* x = embedding rows of tokens[0..n). */
+void cb_decoder_embed(cb_decoder *d, const int *tokens, int n);
+/* h = rmsnorm(x) with layer l's input_layernorm: the mixer's input. */
+void cb_decoder_attn_norm(cb_decoder *d, int l, int n);
+/* x += proj: the mixer's output, which it wrote into d->proj. */
+void cb_decoder_residual(cb_decoder *d, int n);
+/* x += ffn(rmsnorm(x)) of layer l. 0, or -1 with a message (an expert read failed). */
+int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen);
+/* logits = lm_head(rmsnorm(x)) of every row when all_logits, else of the last. */
+void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits);
+
+/* An out-of-memory message for what; returns -1. */
+int cb_oom(char *err, size_t errlen, const char *what);
+
+#endif

@@ -1,0 +1,47 @@
+/* family.h: the interface between a family engine and the process that runs it (engine.h): what load is given,
+ * what it reports back, and the three calls of a cb_family. Blocks may read these types (decoder.h fills a
+ * cb_model_info); nothing here depends on the process.
+ */
+#ifndef COLIBRI_FAMILY_H
+#define COLIBRI_FAMILY_H
+
+#include <stddef.h>
+
+#include "experts.h"
+#include "hparams.h"
+#include "kv.h"
+
+typedef struct {
+    const char *model_dir;
+    int ctx, slots, cap, threads;
+    int max_batch;             /* the most tokens one forward call will get (the prefill chunk) */
+    cb_hparams *hp;
+} cb_load_args;
+
+/* What load reports back so the runtime can size KV, answer `ready` and count expert traffic. */
+typedef struct {
+    int vocab;
+    int n_layers, kv_dim;      /* KV geometry per slot */
+    int kv_k_only;             /* 1: one row of kv_dim floats per token and layer and no V cache (MLA keeps its
+                                * compressed latent there); cb_kv.v is then NULL */
+    size_t state_bytes;        /* per-slot recurrent state (linear attention), zeroed = the empty sequence. The
+                                * runtime keeps a second copy per slot, checkpointed at the end of each prompt;
+                                * a slot's prefix is reused only up to the live state or that checkpoint */
+    size_t dense_bytes;
+    size_t expert_cache_bytes;
+    int n_expert_layers;
+    cb_expert_layer **expert_layers;   /* owned by the model; read for stats */
+} cb_model_info;
+
+typedef struct cb_family {
+    const char *name;
+    int (*load)(void **model, const cb_load_args *args, cb_model_info *info, char *err, size_t errlen);
+    /* Run tokens[0..n) at positions pos0.. on this slot's KV (positions < pos0 already hold this sequence).
+     * Write vocab logits of every row into logits[n * vocab] when all_logits, else of the last row into
+     * logits[vocab]. Results must not depend on n: row i equals what n = 1 at position pos0 + i gives. */
+    int (*forward)(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
+                   char *err, size_t errlen);
+    void (*free)(void *model);
+} cb_family;
+
+#endif

@@ -1,0 +1,63 @@
+/* hparams.h: the hyperparameters an engine is given as --set key=value (resolved from config.json by the family
+ * plugin). A runtime block reads its own keys from here; the process (engine.c) only fills the table.
+ */
+#ifndef COLIBRI_HPARAMS_H
+#define COLIBRI_HPARAMS_H
+
+#include <stddef.h>
+
+typedef struct {
+    int n;
+    char **keys, **values;
+    int *used;                 /* a key nobody asked for is refused after load: a typo must not pass silently */
+} cb_hparams;
+
+/* Each getter returns 0 and fills *out; a missing required key or an unparsable value is -1 with a message
+ * naming the key. The _opt variants leave *out (the default) alone when the key is absent. */
+int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
+int cb_hp_int_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
+int cb_hp_float(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
+int cb_hp_float_opt(cb_hparams *hp, const char *key, float *out, char *err, size_t errlen);
+int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);
+/* Returns the value string (owned by hp) or def when absent. */
+const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def);
+
+/* ---- declarative tables: a block or a family names its keys once, with where each lands ---- */
+
+typedef enum {
+    CB_HP_INT,                 /* required integer */
+    CB_HP_INT_OPT,             /* integer, `def` when absent */
+    CB_HP_FLOAT,               /* required number */
+    CB_HP_FLOAT_OPT,           /* number, `def` when absent */
+    CB_HP_BOOL,                /* true/false/1/0, `def` when absent */
+    CB_HP_STR,                 /* a string (owned by the cb_hparams), `text` when absent */
+    CB_HP_LETTERS,             /* required: exactly one letter per layer from `text` (the int at len_offset) */
+} cb_hp_type;
+
+enum { CB_HP_ANY = 0, CB_HP_POSITIVE = 1, CB_HP_NONNEG = 2 };
+
+typedef struct {
+    const char *key;           /* NULL ends a table */
+    cb_hp_type type;
+    size_t offset;             /* of the int / float / const char * it fills, in the struct given to cb_hp_read */
+    double def;
+    int check;                 /* CB_HP_POSITIVE: an int >= 1 / a float > 0; CB_HP_NONNEG: >= 0 */
+    const char *text;
+    size_t len_offset;
+} cb_hp_spec;
+
+/* Required positive integer, optional integer / number with a default (and a check), flag, string, layer letters. */
+#define CB_HP_REQ(key, T, f) {key, CB_HP_INT, offsetof(T, f), 0, CB_HP_POSITIVE, NULL, 0}
+#define CB_HP_OPT(key, T, f, def, check) {key, CB_HP_INT_OPT, offsetof(T, f), def, check, NULL, 0}
+#define CB_HP_NUM(key, T, f, def, check) {key, CB_HP_FLOAT_OPT, offsetof(T, f), def, check, NULL, 0}
+#define CB_HP_FLAG(key, T, f, def) {key, CB_HP_BOOL, offsetof(T, f), def, CB_HP_ANY, NULL, 0}
+#define CB_HP_TEXT(key, T, f, def) {key, CB_HP_STR, offsetof(T, f), 0, CB_HP_ANY, def, 0}
+#define CB_HP_PER_LAYER(key, T, f, letters, n_field) \
+    {key, CB_HP_LETTERS, offsetof(T, f), 0, CB_HP_ANY, letters, offsetof(T, n_field)}
+#define CB_HP_END {NULL, CB_HP_INT, 0, 0, CB_HP_ANY, NULL, 0}
+
+/* Fill dst from hp as the table says, in table order (a letters key's length field must come before it): 0, or -1
+ * with a message naming the key and what it must be. */
+int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, size_t errlen);
+
+#endif
