@@ -213,8 +213,7 @@ class Sample:
 class Family:
     name: str           # the family plugin's name
     package: str
-    tiny_kind: str      # colibri.testing.tiny kind whose tokenizer style this family uses
-    style: str
+    tiny_kind: str      # colibri.testing.tiny kind whose tokenizer (and chat style) this family's tests train
     template: str
     thinking_switch: str
     samples: tuple[Sample, ...]
@@ -224,7 +223,7 @@ WEATHER = ("get_weather", {"city": "Köln", "days": 3}, "")
 SEARCH = ("search", {"query": "a < b & c", "filters": {"site": "x.org", "n": [1, 2]}}, "")
 
 FAMILIES = {
-    "glm": Family("glm", "colibri_glm", "glm4_moe_lite", "glm", GLM_TEMPLATE, "enable_thinking", (
+    "glm": Family("glm", "colibri_glm", "glm4_moe_lite", GLM_TEMPLATE, "enable_thinking", (
         Sample("<think>The user wants weather.</think>\nLet me check.\n<tool_call>get_weather\n<arg_key>city"
                "</arg_key>\n<arg_value>Köln</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
                "</tool_call>", "The user wants weather.", "Let me check.", (WEATHER,)),
@@ -236,7 +235,7 @@ FAMILIES = {
         Sample("<think>hmm <b></think>It is 3 < 4, </tool not a marker.", "hmm <b>",
                "It is 3 < 4, </tool not a marker.", ()),
     )),
-    "qwen": Family("qwen", "colibri_qwen", "qwen3_next", "qwen", QWEN_TEMPLATE, "enable_thinking", (
+    "qwen": Family("qwen", "colibri_qwen", "qwen3_next", QWEN_TEMPLATE, "enable_thinking", (
         # Qwen3.5 / Qwen3-Coder form; the prompt opened <think>
         Sample("Weather first.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln\n"
                "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "Weather first.\n",
@@ -249,7 +248,7 @@ FAMILIES = {
         Sample("Plain answer with <tool_call>{broken</tool_call> inside.", "",
                "Plain answer with <tool_call>{broken</tool_call> inside.", ()),
     )),
-    "deepseek-v4": Family("deepseek-v4", "colibri_deepseek_v4", "deepseek_v3", "deepseek", DEEPSEEK_TEMPLATE,
+    "deepseek-v4": Family("deepseek-v4", "colibri_deepseek_v4", "deepseek_v3", DEEPSEEK_TEMPLATE,
                           "thinking", (
         # V3.1 thinking mode: the prompt ends with <think>
         Sample("Need weather.</think>Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
@@ -278,7 +277,7 @@ FAMILIES = {
                "<｜DSML｜tool_calls><｜DSML｜invoke name=\"search\"><｜DSML｜parameter name=\"filters\" "
                "string=\"false\">{oops</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls>", ()),
     )),
-    "kimi": Family("kimi", "colibri_kimi", "kimi_k2", "kimi", KIMI_TEMPLATE, "", (
+    "kimi": Family("kimi", "colibri_kimi", "kimi_k2", KIMI_TEMPLATE, "", (
         Sample("<think>check it</think>I'll look.<|tool_calls_section_begin|><|tool_call_begin|>functions."
                "get_weather:0<|tool_call_argument_begin|>" + json.dumps(WEATHER[1], ensure_ascii=False)
                + "<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>"

@@ -45,7 +45,7 @@ def served(request, tmp_path_factory):
     family = FAMILIES[request.param]
     pytest.importorskip(family.package)
     directory = tmp_path_factory.mktemp(request.param) / "tiny-tools"
-    train_tokenizer(directory, family.style)
+    train_tokenizer(directory, family.tiny_kind)
     (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
     codec = TokenizerCodec.from_model_dir(directory)
     codec = TokenizerCodec(codec.tokenizer, ResolvedModel(directory, family.name, family.tiny_kind, {}))
@@ -217,7 +217,7 @@ def test_marker_tokens_that_are_special_still_reach_the_parser(tmp_path):
 
     from colibri.testing.tiny import train_tokenizer
 
-    train_tokenizer(tmp_path, "qwen")
+    train_tokenizer(tmp_path, FAMILIES["qwen"].tiny_kind)
     (tmp_path / "chat_template.jinja").write_text(FAMILIES["qwen"].template, encoding="utf-8")
     backend = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     backend.add_special_tokens(["<tool_call>", "</tool_call>"])

@@ -48,7 +48,7 @@ def family_dirs(tmp_path_factory):
     made = {}
     for name, family in FAMILIES.items():
         out = tmp_path_factory.mktemp(name) / "tok"
-        train_tokenizer(out, family.style)
+        train_tokenizer(out, family.tiny_kind)
         (out / "chat_template.jinja").write_text(family.template, encoding="utf-8")
         made[name] = out
     return made
