@@ -89,7 +89,8 @@ static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t 
         store = &f->grouped.moe.store;
     } else {
         char router[NAME_LEN], mats[3][NAME_LEN];
-        static const char *const leaves[3] = {"gate_proj", "up_proj", "down_proj"};
+        static const char *const default_leaves[3] = {"gate_proj", "up_proj", "down_proj"};
+        const char *const *leaves = d->moe.expert_mats ? d->moe.expert_mats : default_leaves;
         snprintf(name, sizeof name, moe_prefix, l);
         snprintf(router, sizeof router, "%sgate.weight", name);
         for (int m = 0; m < 3; m++) snprintf(mats[m], sizeof mats[m], "%sexperts.%%d.%s.weight", moe_prefix, leaves[m]);
