@@ -197,7 +197,7 @@ def test_hparams_and_limits(checkpoint):
     model = resolved(checkpoint)
     assert limits(model=model).has_engine
     args = engine_hparams(model)
-    assert "model_type=kimi_linear" in args and "attn_layers=KKFKKF" in args and "mlp_layers=DMMMMM" in args
+    assert "attn_layers=KKFKKF" in args and "mlp_layers=DMMMMM" in args
     assert not any(a.startswith("rope") for a in args), "Kimi Linear's MLA has no RoPE"
     with pytest.raises(ConfigError, match="attention_bias"):
         engine_hparams(ResolvedModel(checkpoint, "kimi", "kimi_linear", dict(model.config, attention_bias=True)))
