@@ -22,14 +22,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.builder import build_family  # noqa: E402
+from colibri.builder import build  # noqa: E402
 from colibri.engine import Engine  # noqa: E402
 from colibri.errors import ConfigError  # noqa: E402
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
-from colibri_deepseek_v4.plugin import engine_hparams, tensor_layout  # noqa: E402
+from colibri_deepseek_v4.plugin import ENGINES, engine_hparams, tensor_layout  # noqa: E402
 from colibri.testing.parity import check_every_cache_size, GREEDY_TOKENS, LOGIT_TOL, PROMPT_TOKENS, pick_prompt  # noqa: E402
 
 RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
@@ -58,7 +58,7 @@ CASES = {
 
 @pytest.fixture(scope="session")
 def engine_binary() -> Path:
-    return build_family("deepseek-v4")
+    return build(ENGINES["deepseek_v4"])   # its own composition, not the family's main engine
 
 
 @pytest.fixture(scope="session")

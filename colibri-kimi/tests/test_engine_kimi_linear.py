@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.builder import build_family  # noqa: E402
+from colibri.builder import build  # noqa: E402
 from colibri.chat_session import ChatSession  # noqa: E402
 from colibri.engine import Engine  # noqa: E402
 from colibri.errors import ConfigError  # noqa: E402
@@ -39,7 +39,7 @@ from colibri.testing.quality import check_container_quality, rescale_experts  # 
 from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
 
-from colibri_kimi.plugin import engine_hparams, limits, model_geometry, tensor_layout  # noqa: E402
+from colibri_kimi.plugin import ENGINES, engine_hparams, limits, model_geometry, tensor_layout  # noqa: E402
 from colibri.testing.parity import check_every_cache_size, pick_prompt  # noqa: E402
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
@@ -49,7 +49,7 @@ DENSE = ("gate_proj", "up_proj", "down_proj")
 
 @pytest.fixture(scope="session")
 def engine_binary() -> Path:
-    return build_family("kimi")
+    return build(ENGINES["kimi_linear"])   # its own composition, not the family's main engine
 
 
 @pytest.fixture(scope="session")
@@ -197,7 +197,7 @@ def test_hparams_and_limits(checkpoint):
     model = resolved(checkpoint)
     assert limits(model=model).has_engine
     args = engine_hparams(model)
-    assert "model_type=kimi_linear" in args and "attn_layers=KKFKKF" in args and "mlp_layers=DMMMMM" in args
+    assert "attn_layers=KKFKKF" in args and "mlp_layers=DMMMMM" in args
     assert not any(a.startswith("rope") for a in args), "Kimi Linear's MLA has no RoPE"
     with pytest.raises(ConfigError, match="attention_bias"):
         engine_hparams(ResolvedModel(checkpoint, "kimi", "kimi_linear", dict(model.config, attention_bias=True)))

@@ -374,13 +374,10 @@ def limits(model: ResolvedModel) -> Limits:
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "deepseek.c"
 ENGINE_V4_C = Path(__file__).parent / "engine" / "deepseek_v4.c"
-# One binary per composition: MLA (deepseek.c: V3, V3.2) and V4 (deepseek_v4.c). Both still link both files
-# because deepseek.c's main picks V4 on --set attention=v4; once deepseek_v4.c has its own main, each source
-# tuple names its own file only.
-MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C, ENGINE_V4_C), runtime_api=RUNTIME_API)
+# One binary per composition, each from its own file: MLA (deepseek.c: V3, V3.2) and V4 (deepseek_v4.c).
+MLA_ENGINE = EngineSource(name="colibri-deepseek-mla", sources=(ENGINE_C,), runtime_api=RUNTIME_API)
 ENGINES = {"deepseek_v3": MLA_ENGINE, "deepseek_v32": MLA_ENGINE,
-           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_C, ENGINE_V4_C),
-                                       runtime_api=RUNTIME_API)}
+           "deepseek_v4": EngineSource(name="colibri-deepseek-v4", sources=(ENGINE_V4_C,), runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
@@ -529,7 +526,7 @@ def engine_hparams_v4(model: ResolvedModel) -> dict[str, Any]:
                           "use sliding_attention, compressed_sparse_attention or heavily_compressed_attention"
                           ) from None
     values: dict[str, Any] = dict(
-        attention="v4", hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
         vocab_size=r["vocab"], head_dim=r["head_dim"],
         q_lora_rank=configs.require_int(cfg, "q_lora_rank", where=where, minimum=1),
         o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]), sliding_window=int(d["sliding_window"]),

@@ -208,13 +208,9 @@ def limits(model: ResolvedModel) -> Limits:
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_C = Path(__file__).parent / "engine" / "kimi.c"
 ENGINE_LINEAR_C = Path(__file__).parent / "engine" / "kimi_linear.c"
-# One binary per composition: Kimi K2 (kimi.c) and Kimi Linear (kimi_linear.c). Both still link both files
-# because kimi.c's main picks the composition from --set model_type; once each file has its own main, each
-# source tuple names its own file only.
-ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C, ENGINE_LINEAR_C),
-                                   runtime_api=RUNTIME_API),
-           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_C, ENGINE_LINEAR_C),
-                                       runtime_api=RUNTIME_API)}
+# One binary per composition, each from its own file: Kimi K2 (kimi.c) and Kimi Linear (kimi_linear.c).
+ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C,), runtime_api=RUNTIME_API),
+           "kimi_linear": EngineSource(name="colibri-kimi-linear", sources=(ENGINE_LINEAR_C,), runtime_api=RUNTIME_API)}
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
@@ -275,7 +271,7 @@ def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tupl
     KimiLinearConfig's."""
     cfg, n = r["cfg"], r["layers"]
     values: dict[str, Any] = dict(
-        model_type="kimi_linear", hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
         vocab_size=r["vocab"], intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
         moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
         n_shared_experts=r["shared"],

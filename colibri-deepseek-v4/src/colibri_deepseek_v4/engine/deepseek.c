@@ -10,8 +10,8 @@
  * where mlp is a dense SwiGLU (leading layers) or the grouped sigmoid-routed MoE with shared experts
  * (grouped_moe.h). Multi-token-prediction layers stored after the last decoder layer are never loaded.
  * The plugin resolves config.json into --set values; mlp_layers has one letter per layer (D dense, M MoE).
- * deepseek_v4 is a different composition (deepseek_v4.c), linked into this binary: main picks it on
- * --set attention=v4.
+ * deepseek_v4 is a different composition with its own binary (deepseek_v4.c); the plugin's engine_source picks
+ * the binary by model_type.
  */
 #include <stdio.h>
 #include <string.h>
@@ -91,12 +91,4 @@ static int ds_load(void **out, const cb_load_args *a, cb_model_info *info, char 
 
 static const cb_family ds_family = {"deepseek-v4", ds_load, cb_decoder_forward, cb_decoder_unload};
 
-/* deepseek_v4.c: DeepSeek-V4's compressed attention and hyper-connections, a different composition. */
-extern const cb_family deepseek_v4_family;
-
-int main(int argc, char **argv) {
-    for (int i = 1; i + 1 < argc; i++)   /* the plugin passes --set attention=v4 for model_type deepseek_v4 */
-        if (!strcmp(argv[i], "--set") && !strcmp(argv[i + 1], "attention=v4"))
-            return cb_engine_main(argc, argv, &deepseek_v4_family);
-    return cb_engine_main(argc, argv, &ds_family);
-}
+int main(int argc, char **argv) { return cb_engine_main(argc, argv, &ds_family); }

@@ -1,4 +1,5 @@
-/* deepseek_v4.c: the DeepSeek-V4 engine (model_type deepseek_v4), composed from the shared runtime's blocks.
+/* deepseek_v4.c: the DeepSeek-V4 engine (model_type deepseek_v4), composed from the shared runtime's blocks; its
+ * own binary (colibri-deepseek-v4), apart from the MLA engine of V3 / V3.2 (deepseek.c).
  *
  * Residual: hc_mult parallel streams mixed around every block by hyper-connections (hyperconn.h).
  * Attention, one shared key=value head, low-rank query, per-head sinks (sink_attn.h), grouped low-rank output;
@@ -75,7 +76,7 @@ typedef struct {
     const float **rows, **slot_kv, **slot_g;
     int *picked;
     unsigned char *taken;
-    const char *layer_kinds, *mlp_layers, *attention;   /* --set strings (attention=v4 chose this engine) */
+    const char *layer_kinds, *mlp_layers;              /* --set strings */
     const char *main_theta, *main_partial;               /* the sliding-window layers' RoPE */
 } v4;
 
@@ -164,7 +165,6 @@ static int load_tid2eid(int32_t **out, const v4 *m, const char *name, char *err,
 }
 
 static const cb_hp_spec HPARAMS[] = {
-    CB_HP_TEXT("attention", v4, attention, NULL),
     CB_HP_REQ("hidden_size", v4, hidden), CB_HP_REQ("num_hidden_layers", v4, n_layers),
     CB_HP_REQ("num_attention_heads", v4, n_heads), CB_HP_REQ("vocab_size", v4, vocab),
     CB_HP_REQ("head_dim", v4, head_dim), CB_HP_REQ("q_lora_rank", v4, q_lora), CB_HP_REQ("o_groups", v4, o_groups),
@@ -625,4 +625,6 @@ static int v4_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, 
     return 0;
 }
 
-const cb_family deepseek_v4_family = {"deepseek-v4", v4_load, v4_forward, v4_free};
+static const cb_family v4_family = {"deepseek-v4", v4_load, v4_forward, v4_free};
+
+int main(int argc, char **argv) { return cb_engine_main(argc, argv, &v4_family); }

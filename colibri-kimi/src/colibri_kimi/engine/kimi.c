@@ -8,15 +8,13 @@
  * where mlp is a dense SwiGLU (leading layers) or the grouped sigmoid-routed MoE with shared experts
  * (grouped_moe.h). Multi-token-prediction layers stored after the last decoder layer are never loaded.
  * The plugin resolves config.json into --set values; mlp_layers has one letter per layer (D dense, M MoE).
- * Kimi Linear (KDA + NoPE MLA) is its own composition in kimi_linear.c; main() below dispatches on model_type.
+ * Kimi Linear (KDA + NoPE MLA) is its own composition with its own binary (kimi_linear.c); the plugin's
+ * engine_source picks the binary by model_type.
  */
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "decoder.h"
 #include "engine.h"
-#include "kimi_linear.h"
 #include "latent.h"
 
 typedef struct {
@@ -73,57 +71,6 @@ static int kimi_load(void **out, const cb_load_args *a, cb_model_info *info, cha
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family kimi_k2_family = {"kimi", kimi_load, cb_decoder_forward, cb_decoder_unload};
-
-/* One binary runs both model types: --set model_type=kimi_linear (from the plugin) selects kimi_linear.c. */
-typedef struct {
-    const cb_family *impl;
-    void *model;
-} kimi_any;
-
-typedef struct {
-    const char *model_type;
-} kimi_kind;
-
-static const cb_hp_spec KIND[] = {CB_HP_TEXT("model_type", kimi_kind, model_type, "kimi_k2"), CB_HP_END};
-
-static int any_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {
-    kimi_kind kind;
-    if (cb_hp_read(a->hp, KIND, &kind, err, errlen)) return -1;
-    const char *type = kind.model_type;
-    const cb_family *impl = !strcmp(type, "kimi_k2") ? &kimi_k2_family
-                          : !strcmp(type, "kimi_linear") ? &cb_kimi_linear_family : NULL;
-    if (!impl) {
-        snprintf(err, errlen, "--set model_type=%s: the kimi engine runs kimi_k2 and kimi_linear", type);
-        return -1;
-    }
-    kimi_any *w = calloc(1, sizeof *w);
-    if (!w) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
-    w->impl = impl;
-    if (impl->load(&w->model, a, info, err, errlen)) {
-        free(w);
-        return -1;
-    }
-    *out = w;
-    return 0;
-}
-
-static int any_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
-                       char *err, size_t errlen) {
-    kimi_any *w = ptr;
-    return w->impl->forward(w->model, kv, tokens, n, pos0, logits, all_logits, err, errlen);
-}
-
-static void any_free(void *ptr) {
-    kimi_any *w = ptr;
-    if (!w) return;
-    w->impl->free(w->model);
-    free(w);
-}
-
-static const cb_family kimi_family = {"kimi", any_load, any_forward, any_free};
+static const cb_family kimi_family = {"kimi", kimi_load, cb_decoder_forward, cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &kimi_family); }

@@ -1,5 +1,5 @@
 /* kimi_linear.c: the Kimi Linear engine (model_type kimi_linear), a recipe over the runtime's decoder (decoder.h).
- * kimi.c's main() hands a model to this family when the plugin passes --set model_type=kimi_linear.
+ * Its own binary (colibri-kimi-linear), apart from Kimi K2's (kimi.c).
  *
  * Every layer:  x += mixer(rmsnorm(x));  x += mlp(rmsnorm(x))
  *   mixer: Kimi Delta Attention (kda.h) on linear layers, MLA without RoPE (mla.h, rope NULL) on full layers
@@ -16,7 +16,6 @@
 #include "decoder.h"
 #include "engine.h"
 #include "kda.h"
-#include "kimi_linear.h"
 #include "latent.h"
 
 typedef struct {
@@ -163,4 +162,6 @@ static int kl_load(void **out, const cb_load_args *a, cb_model_info *info, char 
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-const cb_family cb_kimi_linear_family = {"kimi_linear", kl_load, cb_decoder_forward, cb_decoder_unload};
+static const cb_family kl_family = {"kimi", kl_load, cb_decoder_forward, cb_decoder_unload};
+
+int main(int argc, char **argv) { return cb_engine_main(argc, argv, &kl_family); }
