@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -88,8 +89,11 @@ def test_start_status_logs_stop_and_a_taken_port(setup):
     first_line = follow.stdout.readline()            # the follower has found the server before it is stopped
     stopped = coli(env, "stop", "--name", "two")
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
-    out, _ = follow.communicate(timeout=30)          # -f ends when the server does
-    assert follow.returncode == 0 and "engine ready" in first_line + out
+    watchdog = threading.Timer(60, follow.kill)
+    watchdog.start()
+    out = first_line + follow.stdout.read()          # -f ends when the server does (read past readline's buffer)
+    watchdog.cancel()
+    assert follow.wait(timeout=30) == 0 and "engine ready" in out
 
     assert coli(env, "stop").returncode == 0
     with pytest.raises(httpx.HTTPError):
