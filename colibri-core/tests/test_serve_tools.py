@@ -13,29 +13,14 @@ import anthropic
 import openai
 import pytest
 
-from colibri.engine import Engine
 from colibri.records import ResolvedModel
 from colibri.server.codec import TokenizerCodec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from family_syntax import FAMILIES, TOOLS
-from serve_harness import fake_argv, start_server
+from forcing_server import ANTHROPIC_TOOLS, USER, ForcingEngine, force, forcing_server
 
 transformers = pytest.importorskip("transformers")
-USER = [{"role": "user", "content": "Weather in Köln for 3 days, and search 'a < b & c'?"}]
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
-
-
-class ForcingEngine(Engine):
-    """The protocol engine, every generation teacher-forced through ``script``; records the prompts it gets."""
-
-    script: list[int] = []
-    prompts: list[list[int]] = []
-
-    def submit(self, prompt, **kwargs):
-        ForcingEngine.prompts.append(list(prompt))
-        return super().submit(prompt, **{**kwargs, "forced": ForcingEngine.script})
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -47,18 +32,9 @@ def served(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param) / "tiny-tools"
     train_tokenizer(directory, family.tiny_kind)
     (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
-    codec = TokenizerCodec.from_model_dir(directory)
-    codec = TokenizerCodec(codec.tokenizer, ResolvedModel(directory, family.name, family.tiny_kind, {}))
-    assert codec.tools_supported
-    argv = fake_argv(directory, 1024, 1, codec.vocab_size)
-    server = start_server(directory, ctx=1024, codec=codec, factory=lambda: ForcingEngine(argv, ready_timeout=30))
-    yield family, server, directory
-    server.stop()
-
-
-def force(server, text: str) -> None:
-    codec = server.codec
-    ForcingEngine.script = codec.encode(text, add_special_tokens=False) + [codec.stop_ids[0]]
+    forced = forcing_server(family, directory)
+    yield family, forced.server, directory
+    forced.server.stop()
 
 
 def thinking_options(family, sample) -> dict:
@@ -190,10 +166,9 @@ def test_tool_choice_none_returns_the_call_as_text(served):
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("served", ["glm"], indirect=True)   # one family is enough for the README's snippet
 def test_readme_tool_example_runs(served):
     family, server, _ = served
-    if family.name != "glm":
-        pytest.skip("one family is enough for the README's snippet")
     import contextlib
     import io
     import re
@@ -258,16 +233,16 @@ def test_anthropic_thinking_needs_a_thinking_switch(served):
     thinking = {"type": "enabled", "budget_tokens": 1024}
     if family.thinking_switch:
         force(server, "</think>ok" if family.name in ("qwen", "deepseek-v4") else "ok")
-        assert client.messages.create(model="m", max_tokens=64, messages=USER, thinking=thinking).content
+        assert client.messages.create(model="m", max_tokens=2048, messages=USER, thinking=thinking).content
     else:
         with pytest.raises(anthropic.BadRequestError, match="thinking switch"):
-            client.messages.create(model="m", max_tokens=64, messages=USER, thinking=thinking)
+            client.messages.create(model="m", max_tokens=2048, messages=USER, thinking=thinking)
 
 
+@pytest.mark.parametrize("served", [name for name in sorted(FAMILIES) if FAMILIES[name].thinking_switch],
+                         indirect=True)
 def test_thinking_per_request_renders_as_the_template_does(served):
     family, server, directory = served
-    if not family.thinking_switch:
-        pytest.skip("this template has no thinking switch")
     hf = transformers.AutoTokenizer.from_pretrained(str(directory))
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
     force(server, "</think>ok")

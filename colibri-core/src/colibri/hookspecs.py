@@ -217,7 +217,9 @@ def render_prompt(model: ResolvedModel, messages: Sequence[Mapping[str, Any]],
         as a mapping; ``tool`` messages with ``tool_call_id``; ``reasoning_content``).
     :param tools: the tools offered (OpenAI's ``{"type": "function", "function": {...}}``), or ``None``.
     :param options: ``add_generation_prompt`` (default ``True``), ``template_kwargs`` (a mapping passed to the
-        template), ``template`` (a named template of the checkpoint).
+        template), ``template`` (a named template of the checkpoint), ``continue_final_message`` (``True``: the
+        final message is an assistant prefill that the model continues, as transformers' option of that name
+        renders it: no end of turn after it and no generation prompt).
     :returns: the prompt text, or ``None`` when the model has no way to render a conversation.
     """
 

@@ -66,7 +66,8 @@ def thinking_kwargs(tok: TextTokenizer, think: bool | None) -> dict[str, Any]:
 
 
 # Names the renderer itself passes to a template; a request's template variables may not replace them.
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "template"})
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "template",
+                                     "continue_final_message"})
 
 
 def render_conversation(tok: TextTokenizer, messages: Any, tools: Any, options: Mapping[str, Any]) -> str:
@@ -78,8 +79,30 @@ def render_conversation(tok: TextTokenizer, messages: Any, tools: Any, options: 
     if clash:
         raise UsageError(f"template variable {clash[0]!r} cannot be set by a request",
                          "set only the template's own switches, such as enable_thinking")
-    return tok.render_chat(messages, add_generation_prompt=options.get("add_generation_prompt", True),
-                           template=options.get("template"), tools=tools or None, **template_kwargs)
+    if not options.get("continue_final_message"):
+        return tok.render_chat(messages, add_generation_prompt=options.get("add_generation_prompt", True),
+                               template=options.get("template"), tools=tools or None, **template_kwargs)
+    marked = [*messages[:-1], {**messages[-1], "content": str(messages[-1].get("content") or "") + CONTINUE_MARK}]
+    rendered = tok.render_chat(marked, add_generation_prompt=False, template=options.get("template"),
+                               tools=tools or None, **template_kwargs)
+    return cut_at_continue_mark(rendered)
+
+
+# Prefill ("continue the final message"), as transformers' ``continue_final_message`` does it: the final message's
+# text gets a mark, the conversation is rendered without a generation prompt, and the text ends where the mark
+# began (trailing space the template stripped from the message stays stripped). Whatever the template closes a
+# message with (an end-of-turn token) is cut with it.
+CONTINUE_MARK = "COLIBRI_CONTINUE_FINAL_MESSAGE "
+
+
+def cut_at_continue_mark(rendered: str) -> str:
+    at = rendered.rfind(CONTINUE_MARK.strip())
+    if at < 0:
+        raise UsageError("the chat template drops the final assistant message's text, so it cannot be continued",
+                         "end the conversation with a user message")
+    if rendered[at:at + len(CONTINUE_MARK)] == CONTINUE_MARK:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def build_prompt(tok: TextTokenizer, text: str, chat: bool | None,

@@ -167,7 +167,7 @@ def serve_command(
     resolved = resolve_model(model, family)
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(hooks.load_tokenizer(resolved), model=resolved)
-    if not codec.tokenizer.has_chat_template:
+    if not codec.renders_chat:
         print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))

@@ -275,9 +275,12 @@ static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_log
     return 0;
 }
 
-/* Sample from logits, emit the token, and either finish the sequence or queue the token for the next step. */
+/* Sample from logits (or take the teacher-forced token), emit it, and either finish the sequence or queue the
+   token for the next step. A forced token is reported and stop-checked like a sampled one: the caller sees the
+   sequence the model was actually fed. */
 static void take_token(engine_t *E, slot_t *s, const float *logits) {
-    int tok = cb_sample(&s->sampler, logits, E->info.vocab, E->sample_work);
+    int tok = s->generated < s->n_forced ? s->forced[s->generated]
+                                         : cb_sample(&s->sampler, logits, E->info.vocab, E->sample_work);
     cb_buf_printf(&E->out, "{\"ev\":\"token\",\"id\":%lld,\"tok\":%d}", (long long)s->id, tok);
     emit(E);
     s->generated++;
@@ -291,7 +294,7 @@ static void take_token(engine_t *E, slot_t *s, const float *logits) {
         finish(E, s, "length");
         return;
     }
-    s->pending = s->generated - 1 < s->n_forced ? s->forced[s->generated - 1] : tok;
+    s->pending = tok;
     s->phase = SEQ_DECODE;
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -64,6 +65,23 @@ async def messages(request: Request):
         "stop_reason": _stop_reason(finished, reply), "stop_sequence": finished.stop_sequence,
         "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
     })
+
+
+async def count_tokens(request: Request) -> JSONResponse:
+    """``POST /v1/messages/count_tokens``: the prompt tokens the same ``/v1/messages`` body would take, rendered
+    and tokenized exactly as a generation renders it. A prompt that could not fit the context is refused by its
+    length first, as a generation is, so a huge body costs its bytes and not the tokenizer's memory."""
+    app = request.app
+    data = await app.state.read_json(request)
+    spec = parse_messages(data, app.state.config.model_id, app.state.config.kv_slots,
+                          tools_supported=app.state.tools_supported,
+                          thinking_switch=getattr(app.state.services.codec, "thinking_switch", None),
+                          count_only=True)
+    run = GenerationRun(app.state.services, spec, "messages", HangUpWatch(request.receive))
+    async with app.state.tokenizer_gate:
+        await asyncio.to_thread(run.measure)
+        await asyncio.to_thread(run.prepare)
+    return JSONResponse({"input_tokens": len(run.prompt_ids)})
 
 
 class _Blocks:

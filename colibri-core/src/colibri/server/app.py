@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_routes, openai_routes
+from . import anthropic_routes, openai_routes, responses_routes
 from .access_log import AccessLog, note
 from .auth import check_key
 from .config import ServerConfig
@@ -204,6 +204,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/v1/chat/completions", _endpoint("chat", openai_routes.chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", openai_routes.completions), methods=["POST"]),
         Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _endpoint("count_tokens", anthropic_routes.count_tokens), methods=["POST"]),
+        Route("/v1/responses", _endpoint("responses", responses_routes.responses), methods=["POST"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -213,7 +215,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                              code="method_not_allowed")
         elif exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-                                  f"/v1/completions, /v1/messages, /health, /metrics", code="not_found")
+                                  f"/v1/completions, /v1/responses, /v1/messages, /health, /metrics", code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), code="http_error")
         return error_response(error, request.url.path)
@@ -243,6 +245,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
     app.state.metrics = metrics
     app.state.host = host
     app.state.read_json = read_json
+    # counting tokens takes no KV slot, so it has its own bound: as many prompts in the tokenizer as there are slots
+    app.state.tokenizer_gate = asyncio.Semaphore(config.kv_slots)
     # a codec built with the resolved model knows whether its family parses tool calls
     app.state.tools_supported = tools_supported or bool(getattr(codec, "tools_supported", False))
     app.state.started = time.time()

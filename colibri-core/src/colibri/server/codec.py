@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ColibriError, ConfigError
 from .. import hooks
 from ..prompt import NO_TEMPLATE_FIX, render_conversation, thinking_switch
 from ..records import ResolvedModel
@@ -32,8 +32,13 @@ class TokenizerCodec:
         self.bound: PromptBound = prompt_bound(tokenizer.backend)
         self.thinking_switch = next((name for t in tokenizer.templates.values()
                                      if (name := thinking_switch(t.source))), None)
+        # the template's own effort variable (gpt-oss style), passed through as it is named
+        self.reasoning_effort_variable = any("reasoning_effort" in t.source for t in tokenizer.templates.values())
+        self.renders_chat = tokenizer.has_chat_template
+        if not tokenizer.has_chat_template and model is not None:
+            self._probe_family_renderer()
         parser = self.output_parser()
-        self.tools_supported = bool(parser is not None and parser.syntax.has_tools and tokenizer.has_chat_template)
+        self.tools_supported = bool(parser is not None and parser.syntax.has_tools and self.renders_chat)
         # Special tokens are not text, except those that spell the family's markers (a tool-call section begin
         # is a special token in some releases): the parser must see those.
         markers = set(parser.syntax.markers) if parser is not None else set()
@@ -41,17 +46,45 @@ class TokenizerCodec:
         self._kept = {i for i, t in added.items() if t.special and t.content in markers}
         self._hidden = {i for i, t in added.items() if t.special and t.content not in markers}
 
+    def _probe_family_renderer(self) -> None:
+        """A family that renders conversations itself (an encoder instead of a template): which switches change
+        its rendering is what it honours."""
+        probe = [{"role": "user", "content": "x"}]
+
+        def render(**variables: Any) -> str | None:
+            assert self.model is not None
+            try:
+                return hooks.render_prompt(self.model, probe, None, {"add_generation_prompt": True,
+                                                                     "template_kwargs": variables})
+            except ColibriError:
+                return None
+
+        plain = render()
+        self.renders_chat = plain is not None
+        if plain is None:
+            return
+        for name in ("thinking", "enable_thinking"):
+            on, off = render(**{name: True}), render(**{name: False})
+            if on is not None and off is not None and on != off:
+                self.thinking_switch = name
+                break
+        self.reasoning_effort_variable = self.thinking_switch is not None and \
+            render(**{self.thinking_switch: True, "reasoning_effort": "max"}) not in (None, render(
+                **{self.thinking_switch: True}))
+
     @classmethod
     def from_model_dir(cls, model_dir: Path, config: Mapping[str, Any] | None = None) -> TokenizerCodec:
         return cls(load_tokenizer_dir(model_dir, config))
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The prompt text of a conversation (its special tokens spelled out), ready for the assistant's turn."""
-        if not self.tokenizer.has_chat_template:
+                    template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
+        """The prompt text of a conversation (its special tokens spelled out), ready for the assistant's turn, or
+        (``continue_final``) ending inside the final assistant message, which the model continues."""
+        if not self.tokenizer.has_chat_template and self.model is None:
             raise ConfigError("this model has no chat template, so chat requests cannot be rendered",
                               NO_TEMPLATE_FIX)
-        options = {"add_generation_prompt": True, "template_kwargs": dict(template_kwargs or {})}
+        options = {"add_generation_prompt": not continue_final, "continue_final_message": continue_final,
+                   "template_kwargs": dict(template_kwargs or {})}
         if self.model is None:
             return render_conversation(self.tokenizer, messages, tools, options)
         text = hooks.render_prompt(self.model, messages, tools, options)

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 from .errors import APIError
 
-JSON_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+JSON_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+               "/v1/messages/count_tokens")
 WILDCARD_BINDS = ("0.0.0.0", "::", "[::]", "")
 
 

@@ -58,7 +58,7 @@ class Codec(Protocol):
     def bound(self) -> PromptBound: ...
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> str: ...
+                    template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> str: ...
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
@@ -181,6 +181,9 @@ class GenerationRun:
 
     def _render(self, codec: Codec) -> str:
         spec = self.spec
+        if spec.continue_final:
+            return codec.render_chat(spec.messages or [], tools=spec.tools, template_kwargs=spec.template_kwargs,
+                                     continue_final=True)
         if spec.tools is None and not spec.template_kwargs:
             return codec.render_chat(spec.messages or [])
         return codec.render_chat(spec.messages or [], tools=spec.tools, template_kwargs=spec.template_kwargs)

@@ -48,7 +48,8 @@ async def chat_completions(request: Request):
     codec = app.state.services.codec
     spec = parse_chat(data, app.state.config.model_id, app.state.config.kv_slots,
                       tools_supported=app.state.tools_supported,
-                      thinking_switch=getattr(codec, "thinking_switch", None))
+                      thinking_switch=getattr(codec, "thinking_switch", None),
+                      effort_variable=bool(getattr(codec, "reasoning_effort_variable", False)))
     return await _generate(request, spec, chat=True)
 
 

@@ -133,6 +133,21 @@ def template_kwargs(data: dict[str, Any], thinking_switch: str | None) -> dict[s
     return _plain_json(dict(value), "chat_template_kwargs")
 
 
+def effort_kwargs(effort: Any, where: str, thinking_switch: str | None, effort_variable: bool) -> dict[str, Any]:
+    """``reasoning_effort`` as template variables: the template's own ``reasoning_effort`` when it has levels;
+    ``"none"`` turns a plain thinking switch off; anything else cannot be honoured and is refused."""
+    if not isinstance(effort, str):
+        raise bad_request(f"'{where}' must be a string", param=where, code="invalid_type")
+    check_text(effort, where)
+    if effort_variable:
+        return {"reasoning_effort": effort}
+    if effort == "none" and thinking_switch is not None:
+        return {thinking_switch: False}
+    hint = " ('none' turns thinking off)" if thinking_switch else ""
+    raise bad_request(f"'{where}' is {effort!r}: this model's chat template has no reasoning-effort levels{hint}; "
+                      f"remove it or use chat_template_kwargs", param=where, code="unsupported_parameter")
+
+
 # ---- Anthropic ---------------------------------------------------------------------------------------------------
 
 def anthropic_tools(data: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -161,8 +176,12 @@ def anthropic_tool_choice(data: dict[str, Any]) -> str:
     raise bad_request(f"'tool_choice.type' is {kind!r}; use 'auto' or 'none'", param="tool_choice.type")
 
 
-def anthropic_thinking(data: dict[str, Any], thinking_switch: str | None) -> dict[str, Any]:
-    """``thinking``: enabled or disabled sets the template's thinking switch; a template without one refuses."""
+def anthropic_thinking(data: dict[str, Any], thinking_switch: str | None, max_tokens: int | None = None
+                       ) -> dict[str, Any]:
+    """``thinking``: enabled or disabled sets the template's thinking switch; a template without one refuses.
+
+    The budget is checked as Anthropic checks it (at least 1024, below ``max_tokens``); reasoning and answer
+    together stop at ``max_tokens``, so the budget is never exceeded by more than the answer's share."""
     value = data.get("thinking")
     if value is None:
         return {}
@@ -171,8 +190,12 @@ def anthropic_thinking(data: dict[str, Any], thinking_switch: str | None) -> dic
         raise bad_request(f"'thinking.type' is {kind!r}; use 'enabled' or 'disabled'", param="thinking.type")
     if kind == "enabled":
         budget = value.get("budget_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise bad_request("'thinking.budget_tokens' must be a positive integer", param="thinking.budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            raise bad_request("'thinking.budget_tokens' must be an integer of at least 1024",
+                              param="thinking.budget_tokens")
+        if max_tokens is not None and budget >= max_tokens:
+            raise bad_request(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})",
+                              param="thinking.budget_tokens")
     if thinking_switch is None:
         raise bad_request("'thinking' cannot be honoured: this model's chat template has no thinking switch "
                           "(enable_thinking or thinking); remove it", param="thinking")

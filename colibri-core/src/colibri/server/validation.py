@@ -45,6 +45,7 @@ class GenerationSpec:
     tool_choice: str = "auto"                      # "auto" or "none" (forcing a call is refused)
     parallel_tool_calls: bool = True               # False: only the first call of a reply is returned
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # the template's own variables (thinking)
+    continue_final: bool = False                   # the last message is an assistant prefill the reply continues
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -305,7 +306,7 @@ def _chat_message(message: Any, where: str, tools_supported: bool) -> dict[str, 
 
 
 def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False,
-               thinking_switch: str | None = None) -> GenerationSpec:
+               thinking_switch: str | None = None, effort_variable: bool = False) -> GenerationSpec:
     """``POST /v1/chat/completions``."""
     fields = _Fields(data)
     spec = GenerationSpec(model=fields.string("model") or default_model)
@@ -338,8 +339,9 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
         spec.tool_choice = tool_fields.openai_tool_choice(data)
     spec.parallel_tool_calls = fields.boolean("parallel_tool_calls", True)
     spec.template_kwargs = tool_fields.template_kwargs(data, thinking_switch)
-    _refuse_if_set(fields, "reasoning_effort", "no template levels are mapped yet; turn thinking on or off with "
-                   "chat_template_kwargs")
+    if data.get("reasoning_effort") is not None:
+        spec.template_kwargs.update(tool_fields.effort_kwargs(data["reasoning_effort"], "reasoning_effort",
+                                                              thinking_switch, effort_variable))
     fmt = data.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported (no constrained "
@@ -387,14 +389,15 @@ def parse_completion(data: dict[str, Any], default_model: str, kv_slots: int) ->
 
 
 def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False,
-                   thinking_switch: str | None = None) -> GenerationSpec:
-    """``POST /v1/messages`` (Anthropic Messages)."""
+                   thinking_switch: str | None = None, count_only: bool = False) -> GenerationSpec:
+    """``POST /v1/messages`` (Anthropic Messages); ``count_only``: ``/v1/messages/count_tokens``, the same
+    conversation fields without the generation's."""
     from . import tool_fields
 
     fields = _Fields(data)
     spec = GenerationSpec(model=fields.string("model") or default_model)
     limit = fields.integer("max_tokens", low=1)
-    if limit is None:
+    if limit is None and not count_only:
         raise bad_request("'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
     spec.max_tokens = limit
     system = data.get("system")
@@ -418,9 +421,20 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
             raise bad_request(f"'{where}.role' is {role!r}; it must be 'user' or 'assistant' (the system prompt "
                               f"goes in the top-level 'system' field)", param=f"{where}.role")
         spec.messages += tool_fields.anthropic_message(message, where, tools_supported)
-    if spec.messages[-1]["role"] != "user":
-        raise bad_request("the last message must come from the user (continuing a partial assistant turn is not "
-                          "supported)", param=f"messages[{len(messages) - 1}].role")
+    final = spec.messages[-1]
+    if final["role"] == "assistant":
+        # prefill: the reply continues this text (Anthropic's own rule: it may not end in white space)
+        where = f"messages[{len(messages) - 1}]"
+        if final.get("tool_calls"):
+            raise bad_request(f"'{where}' is a final assistant message with tool_use blocks; a prefill continues "
+                              f"text only", param=f"{where}.content")
+        if final["content"] != final["content"].rstrip():
+            raise bad_request(f"'{where}.content': final assistant content cannot end with trailing whitespace",
+                              param=f"{where}.content")
+        if final["content"]:
+            spec.continue_final = True
+        else:
+            spec.messages.pop()
     _common_sampling(fields, spec, kv_slots)
     spec.stop = _stop_list(fields, "stop_sequences", allow_string=False)
     metadata = data.get("metadata")
@@ -442,6 +456,6 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
         choice = data.get("tool_choice")
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
             spec.parallel_tool_calls = False
-    spec.template_kwargs = tool_fields.anthropic_thinking(data, thinking_switch)
+    spec.template_kwargs = tool_fields.anthropic_thinking(data, thinking_switch, spec.max_tokens)
     return spec
 
