@@ -26,11 +26,13 @@ class ForcingEngine(Engine):
     """An engine whose every generation is teacher-forced through ``script``; records the prompts it gets."""
 
     script: list[int] = []
+    scripts: list[list[int]] = []     # when set, one per generation in turn (then ``script`` again)
     prompts: list[list[int]] = []
 
     def submit(self, prompt, **kwargs):
         ForcingEngine.prompts.append(list(prompt))
-        return super().submit(prompt, **{**kwargs, "forced": ForcingEngine.script})
+        script = ForcingEngine.scripts.pop(0) if ForcingEngine.scripts else ForcingEngine.script
+        return super().submit(prompt, **{**kwargs, "forced": script})
 
 
 @dataclass
@@ -69,3 +71,9 @@ def force(server: RunningServer, text: str) -> None:
     """Make every following generation write ``text`` and then the end-of-turn token."""
     codec = server.codec
     ForcingEngine.script = codec.encode(text, add_special_tokens=False) + [codec.stop_ids[0]]
+
+
+def force_each(server: RunningServer, texts: list[str]) -> None:
+    """Make the next generations write ``texts`` in turn (each then the end-of-turn token)."""
+    codec = server.codec
+    ForcingEngine.scripts = [codec.encode(t, add_special_tokens=False) + [codec.stop_ids[0]] for t in texts]
