@@ -238,3 +238,51 @@ def test_reasoning_effort_levels_of_a_template_render_as_transformers(tmp_path):
             assert reply.usage.prompt_tokens == len(codec.encode(want, add_special_tokens=False))
     finally:
         server.stop()
+
+
+def test_deepseek_v4_chat_endpoints_serve_through_its_encoder(tmp_path):
+    """The server renders V4 chats with the encoder: thinking per request, tools, DSML calls parsed back."""
+    pytest.importorskip("colibri_deepseek_v4")
+    from serve_harness import fake_argv, start_server
+
+    from colibri.records import ResolvedModel
+    from colibri.server.codec import TokenizerCodec
+    from colibri_deepseek_v4.encoding import EFFORT_MAX, render
+
+    from colibri.testing.tiny import train_tokenizer
+
+    v4_dir = tmp_path
+    train_tokenizer(v4_dir, "deepseek_v3")
+    config = json.loads((v4_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]       # as released: the format is the encoder
+    (v4_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    B, U, A = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                "parameters": {"type": "object", "properties": {"city": {}}}}}
+    model = ResolvedModel(v4_dir, "deepseek-v4", "deepseek_v4", {})
+    codec = TokenizerCodec(TokenizerCodec.from_model_dir(v4_dir).tokenizer, model)
+    assert codec.renders_chat and codec.tools_supported and codec.thinking_switch == "thinking"
+    argv = fake_argv(v4_dir, 4096, 1, codec.vocab_size)   # the effort instruction and the tools section are long
+    server = start_server(v4_dir, ctx=4096, codec=codec, factory=lambda: ForcingEngine(argv, ready_timeout=30))
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+        user = [{"role": "user", "content": "Weather in Köln?"}]
+        force(server, 'plan</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+                      '<｜DSML｜parameter name="city" string="true">Köln</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                      '</｜DSML｜tool_calls>')
+        ForcingEngine.prompts.clear()
+        reply = client.chat.completions.create(model="m", messages=user, tools=[weather], temperature=0,
+                                               extra_body={"chat_template_kwargs": {"thinking": True}},
+                                               reasoning_effort="max")
+        message = reply.choices[0].message
+        assert message.reasoning_content == "plan" and reply.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+            [("get_weather", {"city": "Köln"})]
+        want = render(user, [weather], {"add_generation_prompt": True, "template_kwargs": {"thinking": True, "reasoning_effort": "max"}})
+        assert want.startswith(B + EFFORT_MAX) and want.endswith(f"{U}Weather in Köln?{A}<think>")
+        assert ForcingEngine.prompts == [codec.encode(want, add_special_tokens=False)]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="m", messages=user, reasoning_effort="low")
+        assert err.value.body["param"] == "reasoning_effort"
+    finally:
+        server.stop()

@@ -562,3 +562,18 @@ def parse_output(model: ResolvedModel) -> Any:
     from .syntax import SYNTAX
 
     return OutputParser(SYNTAX)
+
+
+@hookimpl
+def render_prompt(model: ResolvedModel, messages: Any, tools: Any, options: Any) -> str | None:
+    """V4 ships its prompt format as a Python encoder, not a chat template: render it here (see ``encoding``).
+    A checkpoint that carries a chat template of its own is rendered by core's default, with that template."""
+    if model.model_type != "deepseek_v4":
+        return None
+    from colibri.chat_template import available_templates
+
+    if available_templates(model.path):
+        return None
+    from .encoding import render
+
+    return render(messages, tools, options)

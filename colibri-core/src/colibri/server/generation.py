@@ -171,7 +171,9 @@ class GenerationRun:
         try:
             self._text = spec.prompt_text if spec.prompt_text is not None else self._render(codec)
         except ColibriError as exc:   # e.g. the template refuses the roles' order, or there is no template
-            raise bad_request(exc.one_line(), param=self._prompt_param(), code="invalid_prompt") from None
+            # a renderer that names the request option it cannot honour (``option``) gets it as the param
+            raise bad_request(exc.one_line(), param=getattr(exc, "option", None) or self._prompt_param(),
+                              code="invalid_prompt") from None
         self.prompt_tail = self._text[-256:]
         size = len(self._text.encode("utf-8"))
         at_least = codec.bound.min_tokens(size)
