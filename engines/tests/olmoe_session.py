@@ -105,6 +105,8 @@ def main() -> int:
         follow = prompt + tokens1[:4] + [5]
         s.send({"op": "submit", "id": 4, "slot": 0, "prompt": follow, "max_tokens": 5, "forced": [7, 8]})
         events = s.until("done", 4)
+        forced = [e["tok"] for e in events if e["ev"] == "token"]
+        check(forced[:2] == [7, 8] and len(forced) == 5, f"forced tokens are reported as token events: {forced}")
         check(events[0]["ev"] == "accept" and events[0]["reused_tokens"] == 44, f"prefix reuse: {events[0]}")
         s.send({"op": "submit", "id": 5, "slot": 0, "prompt": prompt[:3], "max_tokens": 1000})
         s.send({"op": "cancel", "id": 5})
