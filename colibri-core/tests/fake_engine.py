@@ -127,7 +127,8 @@ def main():
                       "values": [float((prompt[pos] + j) % 5) for j in range(vocab)]})
         seq = list(prompt)
         generated = []
-        forced = msg.get("forced")
+        # FAKE_ENGINE_FORCED (JSON ids) forces every generation when the request itself forces nothing
+        forced = msg.get("forced") or json.loads(os.environ.get("FAKE_ENGINE_FORCED") or "null")
         reason = "length"
         stop = set(msg.get("stop", []))
         max_tokens = min(int(msg.get("max_tokens", 16)), opts["ctx"] - len(prompt))

@@ -70,6 +70,16 @@ class FakeFamily:
         return EngineEnv(args=("--set", f"vocab={_vocab(model)}"))
 
 
+    @hookimpl
+    def parse_output(self, model):
+        # opt-in, so the streamed text of the other tests stays exactly what the engine wrote
+        if not os.environ.get("FAKE_REASONING"):
+            return None
+        from colibri.output_parser import OutputParser, OutputSyntax
+
+        return OutputParser(OutputSyntax("<think>", "</think>"))
+
+
 def install_engine_wrapper(directory: Path) -> Path:
     """An executable that runs the fake engine with this interpreter (engine_path must name one file)."""
     wrapper = directory / "colibri-fakemoe"

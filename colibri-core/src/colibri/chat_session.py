@@ -13,6 +13,7 @@ from typing import Any, Callable
 from .engine import Engine
 from .errors import UsageError
 from .prompt import NO_TEMPLATE_NOTICE, Sampling
+from .reasoning_view import ReasoningView
 from .streaming import Reply, stream_reply
 from .tokenizer import TextTokenizer
 
@@ -42,6 +43,7 @@ class ChatSession:
     turns: list[TurnStats] = field(default_factory=list)
     dropped_messages: int = 0
     max_ctx: int | None = None          # the most the model's context holds, for hints
+    parser: Callable[[], Any] | None = None   # the family's parse_output: a reply's reasoning is shown apart
 
     def __post_init__(self) -> None:
         self.reset_history()
@@ -94,8 +96,11 @@ class ChatSession:
         candidate = [*self.messages, {"role": "user", "content": text}]
         ids = self.prompt_ids(candidate)
         budget = max(1, min(self.max_tokens, self.ctx - len(ids)))
-        reply = stream_reply(self.engine, self.tok, ids, write=write, slot=SLOT, max_tokens=budget,
+        view = ReasoningView(self.parser() if self.parser is not None and self.uses_template else None,
+                             self.tok.decode(ids[-64:], skip_special_tokens=False), write)
+        reply = stream_reply(self.engine, self.tok, ids, write=view.feed, slot=SLOT, max_tokens=budget,
                              stop=self.tok.stop_ids, **self.sampling.as_request())
+        view.finish()
         candidate.append({"role": "assistant", "content": reply.text})
         self.messages = candidate
         s = reply.stats

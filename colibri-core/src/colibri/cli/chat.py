@@ -111,7 +111,7 @@ def chat_command(
 
     with launch.start(spec) as engine:
         session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs,
-                              max_ctx=launch.max_ctx(spec.facts))
+                              max_ctx=launch.max_ctx(spec.facts), parser=lambda: hooks.parse_output(resolved))
         if session.notice:
             print_warning(session.notice)
         if interactive:

@@ -91,6 +91,7 @@ def run_command(
     from .. import launch
     from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
+    from ..reasoning_view import ReasoningView
     from ..streaming import stats_line, stream_reply
 
     prompt = _read_prompt(prompt, prompt_file)
@@ -111,9 +112,12 @@ def run_command(
         print_warning(clamp_notice)
 
     out = _Output()
+    view = ReasoningView(hooks.parse_output(resolved) if built.mode == "chat" else None, built.text, out.write)
     with launch.start(spec) as engine:
-        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else out.write,
+        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
                              max_tokens=budget, stop=tok.stop_ids, **sampling.as_request())
+    if not as_json:
+        view.finish()
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}
     if as_json:
         emit_json({"model": str(resolved.path), "family": resolved.family, "mode": built.mode,
