@@ -247,9 +247,8 @@ def test_deepseek_v4_chat_endpoints_serve_through_its_encoder(tmp_path):
 
     from colibri.records import ResolvedModel
     from colibri.server.codec import TokenizerCodec
-    from colibri_deepseek_v4.encoding import EFFORT_MAX, render
-
     from colibri.testing.tiny import train_tokenizer
+    from colibri_deepseek_v4.encoding import EFFORT_MAX, render
 
     v4_dir = tmp_path
     train_tokenizer(v4_dir, "deepseek_v3")
@@ -278,7 +277,7 @@ def test_deepseek_v4_chat_endpoints_serve_through_its_encoder(tmp_path):
         assert message.reasoning_content == "plan" and reply.choices[0].finish_reason == "tool_calls"
         assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
             [("get_weather", {"city": "Köln"})]
-        want = render(user, [weather], {"add_generation_prompt": True, "template_kwargs": {"thinking": True, "reasoning_effort": "max"}})
+        want = render(user, [weather], {"template_kwargs": {"thinking": True, "reasoning_effort": "max"}})
         assert want.startswith(B + EFFORT_MAX) and want.endswith(f"{U}Weather in Köln?{A}<think>")
         assert ForcingEngine.prompts == [codec.encode(want, add_special_tokens=False)]
         with pytest.raises(openai.BadRequestError) as err:

@@ -153,10 +153,12 @@ def test_parsers_flatten_and_default():
     msgs = parse_messages({"max_tokens": 3, "system": [{"type": "text", "text": "sys"}],
                            "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u"}}, "m", 1)
     assert msgs.messages[0] == {"role": "system", "content": "sys"} and msgs.user == "u"
-    with pytest.raises(APIError) as err:
-        parse_messages({"max_tokens": 3, "messages": [{"role": "user", "content": "hi"},
-                                                      {"role": "assistant", "content": "pre"}]}, "m", 1)
-    assert "last message" in err.value.message
+    prefill = parse_messages({"max_tokens": 3, "messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "pre"}]}, "m", 1)
+    assert prefill.continue_final and prefill.messages[-1] == {"role": "assistant", "content": "pre"}
+    empty = parse_messages({"max_tokens": 3, "messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": ""}]}, "m", 1)
+    assert not empty.continue_final and empty.messages == [{"role": "user", "content": "hi"}]
 
 
 def test_cli_helpers():
