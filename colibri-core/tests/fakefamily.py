@@ -107,6 +107,17 @@ def make_checkpoint(directory: Path, trained_tokenizer, chat_template: str | Non
     return directory
 
 
+def fake_model(tmp_path: Path, monkeypatch, trained_tokenizer) -> Path:
+    """For one test: only this family registered, its engine the fake one, and a checkpoint it claims."""
+    for name, value in (("COLIBRI_LOAD_PLUGINS", ""), ("COLIBRI_CACHE", str(tmp_path / "cache")),
+                        ("HF_HUB_OFFLINE", "1"), ("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
+    plugins.reset()
+    register()
+    return make_checkpoint(tmp_path / "model", trained_tokenizer)
+
+
 def register() -> FakeFamily:
     family = FakeFamily()
     if FAMILY not in dict(plugins.manager().list_name_plugin()):

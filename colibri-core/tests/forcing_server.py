@@ -14,7 +14,7 @@ from colibri.records import ResolvedModel
 from colibri.server.codec import TokenizerCodec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from family_syntax import TOOLS
+from family_syntax import FAMILIES, TOOLS
 from serve_harness import RunningServer, fake_argv, start_server
 
 USER = [{"role": "user", "content": "Weather in Köln for 3 days, and search 'a < b & c'?"}]
@@ -77,3 +77,18 @@ def force_each(server: RunningServer, texts: list[str]) -> None:
     """Make the next generations write ``texts`` in turn (each then the end-of-turn token)."""
     codec = server.codec
     ForcingEngine.scripts = [codec.encode(t, add_special_tokens=False) + [codec.stop_ids[0]] for t in texts]
+
+
+def template_server(name: str, tmp_path_factory) -> Forced:
+    """The fake engine behind family ``name``'s test template and a tokenizer trained for its tiny kind (skipped
+    when the family's package is not installed)."""
+    import pytest
+
+    from colibri.testing.tiny import train_tokenizer
+
+    family = FAMILIES[name]
+    pytest.importorskip(family.package)
+    directory = tmp_path_factory.mktemp(name) / "tiny-tools"
+    train_tokenizer(directory, family.tiny_kind)
+    (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
+    return forcing_server(family, directory)

@@ -18,30 +18,18 @@ from colibri.reasoning_view import DIM, RESET
 from colibri.tokenizer import load_tokenizer_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakefamily import install_engine_wrapper, make_checkpoint, register
+from fakefamily import fake_model
 
 REPLY = "<think>Weigh it.\nTwice.</think>\n\nThe answer is 4."
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return train_bpe(stdlib_texts(200_000), 700)
-
-
 @pytest.fixture
-def fake(tmp_path, monkeypatch, trained):
-    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
-    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))
+def fake(tmp_path, monkeypatch):
+    model = fake_model(tmp_path, monkeypatch, train_bpe(stdlib_texts(200_000), 700))
     monkeypatch.setenv("FAKE_REASONING", "1")
-    monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
-    plugins.reset()
-    register()
-    model = make_checkpoint(tmp_path / "model", trained)
     tok = load_tokenizer_dir(model)
-    monkeypatch.setenv("FAKE_ENGINE_FORCED", json.dumps(tok.encode(REPLY, add_special_tokens=False)
-                                                        + [tok.stop_ids[0]]))
+    reply = tok.encode(REPLY, add_special_tokens=False) + [tok.stop_ids[0]]
+    monkeypatch.setenv("FAKE_ENGINE_FORCED", json.dumps(reply))
     yield model
     plugins.reset()
 

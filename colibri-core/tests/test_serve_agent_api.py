@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from family_syntax import FAMILIES, TOOLS
-from forcing_server import USER, ForcingEngine, force, forcing_server
+from forcing_server import USER, ForcingEngine, force, template_server
 
 transformers = pytest.importorskip("transformers")
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -24,15 +24,8 @@ RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, tmp_path_factory):
-    from colibri.testing.tiny import train_tokenizer
-
-    family = FAMILIES[request.param]
-    pytest.importorskip(family.package)
-    directory = tmp_path_factory.mktemp(request.param) / "tiny-agent"
-    train_tokenizer(directory, family.tiny_kind)
-    (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
-    forced = forcing_server(family, directory)
-    yield family, forced.server, directory
+    forced = template_server(request.param, tmp_path_factory)
+    yield forced.family, forced.server, forced.directory
     forced.server.stop()
 
 

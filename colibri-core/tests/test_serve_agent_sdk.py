@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from family_syntax import FAMILIES
-from forcing_server import ForcingEngine, force_each, forcing_server
+from forcing_server import ForcingEngine, force_each, template_server
 
 agents = pytest.importorskip("agents")
 CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
@@ -21,14 +20,7 @@ CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_v
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from colibri.testing.tiny import train_tokenizer
-
-    family = FAMILIES["glm"]
-    pytest.importorskip(family.package)
-    directory = tmp_path_factory.mktemp("agent-sdk") / "tiny-glm"
-    train_tokenizer(directory, family.tiny_kind)
-    (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
-    forced = forcing_server(family, directory)
+    forced = template_server("glm", tmp_path_factory)
     yield forced.server
     forced.server.stop()
 

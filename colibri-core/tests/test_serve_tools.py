@@ -18,22 +18,15 @@ from colibri.server.codec import TokenizerCodec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from family_syntax import FAMILIES, TOOLS
-from forcing_server import ANTHROPIC_TOOLS, USER, ForcingEngine, force, forcing_server
+from forcing_server import ANTHROPIC_TOOLS, USER, ForcingEngine, force, template_server
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, tmp_path_factory):
-    from colibri.testing.tiny import train_tokenizer
-
-    family = FAMILIES[request.param]
-    pytest.importorskip(family.package)
-    directory = tmp_path_factory.mktemp(request.param) / "tiny-tools"
-    train_tokenizer(directory, family.tiny_kind)
-    (directory / "chat_template.jinja").write_text(family.template, encoding="utf-8")
-    forced = forcing_server(family, directory)
-    yield family, forced.server, directory
+    forced = template_server(request.param, tmp_path_factory)
+    yield forced.family, forced.server, forced.directory
     forced.server.stop()
 
 

@@ -114,17 +114,17 @@ def _turns(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, A
     """The messages as the format's turns: tools on the first system message, user text and tool results of one
     stretch merged into one user turn (results in their calls' order)."""
     turns: list[dict[str, Any]] = []
-    call_order: dict[str, int] = {}
+    call_order: dict[str, int] = {}    # call id -> its place in the last assistant turn's calls
     for message in messages:
         role = message.get("role")
         if role == "assistant":
             turns.append(dict(message))
             if message.get("tool_calls"):
-                call_order = {c.get("id"): i for i, c in enumerate(message["tool_calls"]) if c.get("id")}
+                call_order = {str(c["id"]): i for i, c in enumerate(message["tool_calls"]) if c.get("id")}
         elif role in ("user", "tool"):
             if role == "tool":
                 block = {"result": str(message.get("content") or ""),
-                         "order": call_order.get(message.get("tool_call_id"), 0)}
+                         "order": call_order.get(str(message.get("tool_call_id")), 0)}
             else:
                 block = {"text": str(message.get("content") or "")}
             if turns and turns[-1]["role"] == "user":

@@ -13,9 +13,9 @@ from starlette.responses import JSONResponse
 
 from .errors import anthropic_error_type
 from ..output_parser import REASONING, TextEvent, ToolCallEvent
-from .generation import Failed, Finished, GenerationRun, KeepAlive
+from .generation import Failed, Finished, GenerationRun
 from .hangup import HangUpWatch
-from .replies import ReplyParser, call_id, finish_reason, reply_stream, reply_to_completion
+from .replies import ReplyParser, call_id, finish_reason, formatted_stream, reply_to_completion
 from .sse import EventStreamResponse, event_frame
 from .validation import parse_messages
 
@@ -87,7 +87,8 @@ async def count_tokens(request: Request) -> JSONResponse:
 class _Blocks:
     """The content blocks of a streamed reply: a new block starts whenever the kind of output changes."""
 
-    def __init__(self):
+    def __init__(self, reply: ReplyParser):
+        self.reply = reply
         self.index = -1
         self.open: str | None = None     # "thinking" or "text" while such a block is open
 
@@ -119,7 +120,7 @@ class _Blocks:
         field = "thinking" if kind == "thinking" else "text"
         return frames + [self.delta({"type": f"{kind}_delta", field: event.text})]
 
-    def tool_use(self, event: ToolCallEvent) -> list[bytes]:
+    def call(self, event: ToolCallEvent) -> list[bytes]:
         block = _tool_use(event)
         arguments = event.call.arguments
         frames = self.start({**block, "input": {}})
@@ -128,40 +129,27 @@ class _Blocks:
         return frames
 
 
-async def _stream(run: GenerationRun, reply: ReplyParser, mid: str, model_id: str) -> AsyncIterator[bytes]:
-    prompt_tokens = len(run.prompt_ids)
+    def finished(self, item: Finished) -> list[bytes]:
+        u = item.usage
+        frames = self.start({"type": "text", "text": ""}) if self.index < 0 else []   # an empty reply: one empty block
+        frames += self.stop()
+        frames.append(event_frame("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": _stop_reason(item, self.reply), "stop_sequence": item.stop_sequence},
+            "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)}))
+        frames.append(event_frame("message_stop", {"type": "message_stop"}))
+        return frames
+
+    def failed(self, item: Failed) -> list[bytes]:
+        error = item.error
+        kind = "overloaded_error" if error.status in (429, 503) else anthropic_error_type(error.status)
+        return [event_frame("error", {"type": "error", "error": {"type": kind, "message": error.message}})]
+
+
+def _stream(run: GenerationRun, reply: ReplyParser, mid: str, model_id: str) -> AsyncIterator[bytes]:
     cached = int(run.accept.get("reused_tokens", 0) or 0)
-    blocks = _Blocks()
-    try:
-        yield event_frame("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached, 0)}})
-        async for item in reply_stream(run, reply):
-            frames: list[bytes] = []
-            if isinstance(item, TextEvent):
-                frames = blocks.text(item)
-            elif isinstance(item, ToolCallEvent):
-                frames = blocks.tool_use(item)
-            elif isinstance(item, KeepAlive):
-                frames = [event_frame("ping", {"type": "ping"})]
-            elif isinstance(item, Finished):
-                u = item.usage
-                if blocks.index < 0:    # an empty reply is still one (empty) text block
-                    frames += blocks.start({"type": "text", "text": ""})
-                frames += blocks.stop()
-                frames.append(event_frame("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(item, reply), "stop_sequence": item.stop_sequence},
-                    "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)}))
-                frames.append(event_frame("message_stop", {"type": "message_stop"}))
-            elif isinstance(item, Failed):
-                error = item.error
-                kind = "overloaded_error" if error.status in (429, 503) else anthropic_error_type(error.status)
-                yield event_frame("error", {"type": "error", "error": {"type": kind, "message": error.message}})
-                return
-            for frame in frames:
-                yield frame
-            if isinstance(item, Finished):
-                return
-    finally:
-        run.close()
+    opening = event_frame("message_start", {"type": "message_start", "message": {
+        "id": mid, "type": "message", "role": "assistant", "model": model_id, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(len(run.prompt_ids), cached, 0)}})
+    return formatted_stream(run, reply, _Blocks(reply), [opening],
+                            keepalive=lambda: event_frame("ping", {"type": "ping"}))

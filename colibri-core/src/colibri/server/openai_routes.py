@@ -42,14 +42,17 @@ async def get_model(request: Request) -> JSONResponse:
     return JSONResponse(model_card(cfg.model_id, cfg.created))
 
 
+def chat_abilities(app: Any) -> dict[str, Any]:
+    """What the served model's chat rendering can honour, as the chat-shaped parsers take it."""
+    codec = app.state.services.codec
+    return {"tools_supported": app.state.tools_supported, "thinking_switch": getattr(codec, "thinking_switch", None),
+            "effort_variable": bool(getattr(codec, "reasoning_effort_variable", False))}
+
+
 async def chat_completions(request: Request):
     app = request.app
     data = await app.state.read_json(request)
-    codec = app.state.services.codec
-    spec = parse_chat(data, app.state.config.model_id, app.state.config.kv_slots,
-                      tools_supported=app.state.tools_supported,
-                      thinking_switch=getattr(codec, "thinking_switch", None),
-                      effort_variable=bool(getattr(codec, "reasoning_effort_variable", False)))
+    spec = parse_chat(data, app.state.config.model_id, app.state.config.kv_slots, **chat_abilities(app))
     return await _generate(request, spec, chat=True)
 
 

@@ -7,13 +7,25 @@ Stop sequences are matched on the raw text first (in :mod:`.generation`); the pa
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from ..output_parser import CONTENT, ParsedOutput, TextEvent, ToolCallEvent, collect, prompt_opens_reasoning
 from .generation import Delta, Failed, Finished, GenerationRun, KeepAlive, run_to_completion
 
 ReplyEvent = TextEvent | ToolCallEvent
+
+
+class StreamFormat(Protocol):
+    """A dialect's frames for each kind of item of a streamed reply."""
+
+    def text(self, event: TextEvent) -> list[bytes]: ...
+
+    def call(self, event: ToolCallEvent) -> list[bytes]: ...
+
+    def finished(self, item: Finished) -> list[bytes]: ...
+
+    def failed(self, item: Failed) -> list[bytes]: ...
 
 
 class ReplyParser:
@@ -89,3 +101,29 @@ def tool_call_body(event: ToolCallEvent, call_ids: dict[int, str], index: int | 
     if index is not None:
         body = {"index": index, **body}
     return body
+
+
+async def formatted_stream(run: GenerationRun, reply: ReplyParser, fmt: StreamFormat, opening: Sequence[bytes],
+                           keepalive: Callable[[], bytes]) -> AsyncIterator[bytes]:
+    """A streamed reply in one dialect: its opening frames, each item's frames, until the reply is finished or
+    failed; the run is closed however the stream ends (a hang-up included)."""
+    try:
+        for frame in opening:
+            yield frame
+        async for item in reply_stream(run, reply):
+            if isinstance(item, TextEvent):
+                frames = fmt.text(item)
+            elif isinstance(item, ToolCallEvent):
+                frames = fmt.call(item)
+            elif isinstance(item, KeepAlive):
+                frames = [keepalive()]
+            elif isinstance(item, Finished):
+                frames = fmt.finished(item)
+            else:
+                frames = fmt.failed(item)
+            for frame in frames:
+                yield frame
+            if isinstance(item, (Finished, Failed)):
+                return
+    finally:
+        run.close()

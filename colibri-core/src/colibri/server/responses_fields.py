@@ -13,7 +13,9 @@ from typing import Any
 
 from . import tool_fields
 from .errors import bad_request
-from .validation import GenerationSpec, _chat_message, _Fields, _json_type, _common_sampling, _refuse_if_set
+from .validation import (
+    GenerationSpec, _chat_message, _common_sampling, _Fields, _json_type, _refuse_if_set, _text_content,
+)
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -117,7 +119,7 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
             if role not in MESSAGE_ROLES:
                 raise bad_request(f"'{where}.role' is {role!r}; it must be one of {', '.join(MESSAGE_ROLES)}",
                                   param=f"{where}.role", code="invalid_value")
-            content = _content_text(item.get("content"), f"{where}.content")
+            content = _text_content(item.get("content"), f"{where}.content", TEXT_PARTS)
             if role == "assistant":
                 turn = assistant_turn(where)
                 if turn.get("tool_calls"):      # text after calls starts a new turn
@@ -133,33 +135,16 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
+            text = output if isinstance(output, str) else _text_content(output, f"{where}.output", TEXT_PARTS)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text, "_where": where})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning.append(_content_text(parts, f"{where}.content", ("reasoning_text", "summary_text")))
+            reasoning.append(_text_content(parts, f"{where}.content", ("reasoning_text", "summary_text")))
         else:
             raise bad_request(f"'{where}.type' is {kind!r}; this server takes message, function_call, "
                               f"function_call_output and reasoning items", param=f"{where}.type",
                               code="invalid_value")
     return out
-
-
-def _content_text(value: Any, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be a string or an array of content parts, not {_json_type(value)}",
-                          param=where, code="invalid_type")
-    pieces = []
-    for i, part in enumerate(value):
-        at = f"{where}[{i}]"
-        if not isinstance(part, dict) or part.get("type") not in kinds:
-            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
-            raise bad_request(f"'{at}.type' is {kind!r}; only text parts ({', '.join(kinds)}) are supported",
-                              param=f"{at}.type", code="unsupported_content")
-        pieces.append(tool_fields.text_field(part.get("text"), f"{at}.text"))
-    return "".join(pieces)
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:

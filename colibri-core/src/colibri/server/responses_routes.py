@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..output_parser import REASONING, TextEvent, ToolCallEvent
-from .generation import Failed, Finished, GenerationRun, KeepAlive
+from .generation import Failed, Finished, GenerationRun
 from .hangup import HangUpWatch
-from .replies import ReplyParser, call_id, reply_stream, reply_to_completion
+from .openai_routes import chat_abilities
+from .replies import ReplyParser, call_id, formatted_stream, reply_to_completion
 from .responses_fields import parse_responses
 from .sse import KEEPALIVE_COMMENT, EventStreamResponse, event_frame
 from .validation import GenerationSpec
@@ -40,7 +41,8 @@ class _Response:
 
     def body(self, status: str, output: list[dict[str, Any]], finished: Finished | None = None,
              reasoning_text: str = "") -> dict[str, Any]:
-        reasoning = self.data.get("reasoning") if isinstance(self.data.get("reasoning"), dict) else {}
+        asked = self.data.get("reasoning")
+        reasoning: dict[str, Any] = asked if isinstance(asked, dict) else {}
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model_id, "output": output, "error": None, "incomplete_details": None,
@@ -93,11 +95,7 @@ def _call_item(event: ToolCallEvent, status: str) -> dict[str, Any]:
 async def responses(request: Request):
     app = request.app
     data = await app.state.read_json(request)
-    codec = app.state.services.codec
-    spec = parse_responses(data, app.state.config.model_id, app.state.config.kv_slots,
-                           tools_supported=app.state.tools_supported,
-                           thinking_switch=getattr(codec, "thinking_switch", None),
-                           effort_variable=bool(getattr(codec, "reasoning_effort_variable", False)))
+    spec = parse_responses(data, app.state.config.model_id, app.state.config.kv_slots, **chat_abilities(app))
     run = GenerationRun(app.state.services, spec, "chat", HangUpWatch(request.receive).start())
     await run.start()   # refusals before this point are plain JSON errors with their status code
     response = _Response(data, spec, app.state.config.model_id, run)
@@ -117,11 +115,12 @@ async def responses(request: Request):
 class _Items:
     """The output items of a streamed response and the events that open, fill and close them."""
 
-    def __init__(self):
+    def __init__(self, response: _Response):
+        self.response = response
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None      # the item being written (a reasoning or message item)
-        self.text = ""
+        self.written = ""                            # its text so far
         self.reasoning = ""
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -133,10 +132,10 @@ class _Items:
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": len(self.output)}
 
-    def text_delta(self, event: TextEvent) -> list[bytes]:
+    def text(self, event: TextEvent) -> list[bytes]:
         kind = "reasoning" if event.channel == REASONING else "message"
         frames = [] if self.open is not None and self.open["type"] == kind else self.close() + self._start(kind)
-        self.text += event.text
+        self.written += event.text
         if kind == "reasoning":
             self.reasoning += event.text
             frames.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
@@ -153,14 +152,14 @@ class _Items:
         else:
             self.open = _message_item(_new_id("msg_"), "", "in_progress")
             part = _text_part("")
-        self.text = ""
+        self.written = ""
         return [self.event("response.output_item.added", output_index=len(self.output), item=self.open),
                 self.event("response.content_part.added", **self._where(), content_index=0, part=part)]
 
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
-        where, text = self._where(), self.text
+        where, text = self._where(), self.written
         if self.open["type"] == "reasoning":
             item = _reasoning_item(self.open["id"], text, "completed")
             frames = [self.event("response.reasoning_text.done", **where, content_index=0, text=text)]
@@ -187,42 +186,26 @@ class _Items:
         self.output.append(item)
         return frames
 
-    def finish(self) -> list[bytes]:
+    def finished(self, item: Finished) -> list[bytes]:
         if self.open is None and not self.output:   # an empty reply is still one (empty) message
-            return self._start("message") + self.close()
-        return self.close()
+            frames = self._start("message") + self.close()
+        else:
+            frames = self.close()
+        status = _status(item)
+        return frames + [self.event(f"response.{status}", response=self.response.body(
+            status, self.output, item, self.reasoning))]
+
+    def failed(self, item: Failed) -> list[bytes]:
+        # after the 200 is committed an error can only travel in-band
+        error = item.error
+        failed = self.response.body("failed", self.output)
+        failed["error"] = {"code": "server_error", "message": error.message}
+        return [self.event("error", code=error.code, message=error.message, param=error.param),
+                self.event("response.failed", response=failed)]
 
 
-async def _stream(run: GenerationRun, reply: ReplyParser, response: _Response) -> AsyncIterator[bytes]:
-    items = _Items()
-    try:
-        for kind in ("response.created", "response.in_progress"):
-            yield items.event(kind, response=response.body("in_progress", []))
-        async for item in reply_stream(run, reply):
-            frames: list[bytes] = []
-            if isinstance(item, TextEvent):
-                frames = items.text_delta(item)
-            elif isinstance(item, ToolCallEvent):
-                frames = items.call(item)
-            elif isinstance(item, KeepAlive):
-                frames = [KEEPALIVE_COMMENT]
-            elif isinstance(item, Finished):
-                frames = items.finish()
-                status = _status(item)
-                frames.append(items.event(f"response.{status}", response=response.body(
-                    status, items.output, item, items.reasoning)))
-            elif isinstance(item, Failed):
-                error = item.error
-                # after the 200 is committed an error can only travel in-band
-                yield items.event("error", code=error.code, message=error.message, param=error.param)
-                failed = response.body("failed", items.output)
-                failed["error"] = {"code": "server_error", "message": error.message}
-                yield items.event("response.failed", response=failed)
-                return
-            for frame in frames:
-                yield frame
-            if isinstance(item, Finished):
-                return
-    finally:
-        run.close()
-
+def _stream(run: GenerationRun, reply: ReplyParser, response: _Response) -> AsyncIterator[bytes]:
+    items = _Items(response)
+    opening = [items.event(kind, response=response.body("in_progress", []))
+               for kind in ("response.created", "response.in_progress")]
+    return formatted_stream(run, reply, items, opening, keepalive=lambda: KEEPALIVE_COMMENT)
