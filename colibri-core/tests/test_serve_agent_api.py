@@ -162,8 +162,10 @@ def test_anthropic_prefill_continues_the_final_message(served):
     ForcingEngine.prompts.clear()
     reply = client.messages.create(model="m", max_tokens=64, messages=prefill)
     assert [b.text for b in reply.content] == [" sunny."] and reply.stop_reason == "end_turn"
+    with client.messages.stream(model="m", max_tokens=64, messages=prefill) as stream:
+        assert "".join(stream.text_stream) == " sunny."
     want = hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
-    assert ForcingEngine.prompts == [server.codec.encode(want, add_special_tokens=False)]
+    assert ForcingEngine.prompts == [server.codec.encode(want, add_special_tokens=False)] * 2
     with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
         client.messages.create(model="m", max_tokens=64, messages=[*USER, {"role": "assistant", "content": "Hi "}])
 

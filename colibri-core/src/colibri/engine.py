@@ -234,7 +234,8 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[int] = (),
                logits: bool | str = False, forced: Sequence[int] | None = None) -> Request:
         """Start a sequence. ``logits``: True for prompt logits as JSON numbers, ``"f32"`` for the same values as
-        base64 float32 (exact, and several times faster to send and parse: what ``coli bench quality`` uses)."""
+        base64 float32 (exact, and several times faster to send and parse: what ``coli bench quality`` uses).
+        ``forced``: teacher forcing; generated token *i* is ``forced[i]``, reported as its token event."""
         rid = next(self._ids)
         req = Request(self, rid, slot)
         msg: dict[str, Any] = {
