@@ -193,6 +193,8 @@ def serve_command(
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
+    if not bandwidth:
+        bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
     sock = bind_socket(host, port)
 
     fatal: list[str] = []

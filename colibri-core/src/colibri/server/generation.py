@@ -309,7 +309,7 @@ class GenerationRun:
                     clock.token()
                 elif event.get("ev") == "done":
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
-                    loop.call_soon_threadsafe(self.s.profile.record, event, self.route, lease.slot)
+                    loop.call_soon_threadsafe(self.s.profile.record, event, self.route, lease.slot, self.spec.user)
                 loop.call_soon_threadsafe(put, ("event", event))
         except EngineRequestError as exc:
             loop.call_soon_threadsafe(put, ("refused", exc))

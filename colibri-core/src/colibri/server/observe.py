@@ -69,7 +69,9 @@ class Profile:
         self._lock = threading.Lock()
         self._count = 0
 
-    def record(self, done: dict[str, Any], route: str, slot: int) -> None:
+    def record(self, done: dict[str, Any], route: str, slot: int, user: str | None = None) -> None:
+        """Keep one sequence's ``done`` figures; ``user`` is the request's own label (``coli chat --attach`` finds
+        its turns by it)."""
         decode = done.get("decode") if isinstance(done.get("decode"), dict) else {}
         decode_hit = _number(decode, "hit_rate") if decode else _number(done, "hit_rate")
         bound = self.disk.tokens_per_s(decode_hit)
@@ -79,7 +81,7 @@ class Profile:
         with self._lock:
             self._count += 1
             self._records.append({
-                "seq": self._count, "route": route, "slot": slot, "finished_at": time.time(),
+                "seq": self._count, "route": route, "slot": slot, "user": user, "finished_at": time.time(),
                 "reason": done.get("reason"), "prompt_tokens": prompt, "cached_tokens": max(0, prompt - prefilled),
                 "prefilled_tokens": prefilled, "generated_tokens": int(_number(done, "generated_tokens")),
                 "prefill_tps": _number(done, "prefill_tps"), "decode_tps": decode_tps,

@@ -202,7 +202,7 @@ function showProfile(profile) {
     $("stat-share").textContent = last.share_of_disk_bound === null ? "–" : pct(last.share_of_disk_bound);
   }
   if (!disk.bandwidth_bytes_per_s) {
-    $("stat-bound").textContent = "disk bandwidth unknown (" + disk.source + ")";
+    $("stat-bound").textContent = "disk bandwidth " + disk.source;
   } else if (last && last.disk_bound_tps === null) {
     $("stat-bound").textContent = "no expert read from disk while decoding: no disk bound";
   } else {
