@@ -39,7 +39,7 @@ def _engine_summary(stats: dict[str, Any]) -> str:
     for key, value in stats.items():
         if key == "ev":
             continue
-        if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
             value = sum(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts.append(f"{key} {human_bytes(value) if 'bytes' in key else value}")
