@@ -30,7 +30,7 @@ DEFAULT_PROFILE_N = 20
 
 
 def asset_bytes(name: str) -> bytes:
-    return resources.files("colibri.server").joinpath("static", name).read_bytes()
+    return resources.files("colibri.server").joinpath("static").joinpath(name).read_bytes()
 
 
 async def asset(request: Request) -> Response:

@@ -72,7 +72,7 @@ class Profile:
     def record(self, done: dict[str, Any], route: str, slot: int, user: str | None = None) -> None:
         """Keep one sequence's ``done`` figures; ``user`` is the request's own label (``coli chat --attach`` finds
         its turns by it)."""
-        decode = done.get("decode") if isinstance(done.get("decode"), dict) else {}
+        decode: dict[str, Any] = done["decode"] if isinstance(done.get("decode"), dict) else {}
         decode_hit = _number(decode, "hit_rate") if decode else _number(done, "hit_rate")
         bound = self.disk.tokens_per_s(decode_hit)
         decode_tps = _number(done, "decode_tps")
@@ -137,7 +137,7 @@ class EngineStats:
 def experts_view(stats: dict[str, Any]) -> dict[str, Any]:
     """The ``stats`` event as ``GET /experts`` answers it: totals, then one entry per MoE layer (``uses`` and
     ``resident`` per expert, ``null`` from an engine that does not report them)."""
-    layers = stats.get("layers") if isinstance(stats.get("layers"), list) else []
+    layers: list[Any] = stats["layers"] if isinstance(stats.get("layers"), list) else []
     out_layers = []
     for i, layer in enumerate(layers):
         entry: dict[str, Any] = {"layer": layer}
@@ -147,7 +147,7 @@ def experts_view(stats: dict[str, Any]) -> dict[str, Any]:
         lookups = (entry["hits"] or 0) + (entry["misses"] or 0)
         entry["hit_rate"] = (entry["hits"] or 0) / lookups if lookups else None
         out_layers.append(entry)
-    totals = {name: stats.get(name) for name in ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read",
+    totals: dict[str, Any] = {name: stats.get(name) for name in ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read",
                                                  "expert_reads", "prefilled_tokens", "generated_tokens", "rss_bytes",
                                                  "pin", "prefetch", "io", "lossy")
               if name in stats}
