@@ -72,9 +72,9 @@ def web(tiny_root, tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "BROWSER": f"{recorder} %s"}
     for name in ("COLI_API_KEY", "COLIBRI_API_KEY", "COLIBRI_LOAD_PLUGINS"):
         env.pop(name, None)
-    # --cap 4 of 16 experts: the heatmap shows experts on disk and in the cache
+    # --cap 4 of 16 experts: the heatmap shows experts on disk and in the cache, and decoding reads the disk
     with coli_server(["web", "--model", str(model), "--ctx", str(CTX), "--threads", "1", "--cap", "4",
-                      "--api-key", KEY, "--log-level", "warning"], env) as (base, _proc):
+                      "--api-key", KEY, "--disk-bw", "1.5", "--log-level", "warning"], env) as (base, _proc):
         deadline = time.monotonic() + WAIT_S
         while not opened.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -167,7 +167,8 @@ def test_chat_streams_the_greedy_text_and_the_stats_and_heatmap_follow(browser, 
     for element in ("stat-decode", "stat-hit-rate", "stat-bytes", "stat-rss"):
         assert text_of(browser, element) not in ("", "–"), element
     assert text_of(browser, "stat-decode").endswith("tok/s")
-    assert "disk bandwidth" in text_of(browser, "stat-bound") or "bound" in text_of(browser, "stat-bound")
+    # --disk-bw 1.5: decode speed as a share of what the disk allows at the decode phase's hit rate
+    assert text_of(browser, "stat-share").endswith("%") and "(--disk-bw)" in text_of(browser, "stat-bound")
     assert wait_for(browser, "document.querySelectorAll('#profile tbody tr').length >= 2", "the request table")
     shot = screenshot(browser, "dashboard.png", tmp_path_factory, capsys)
     assert shot.stat().st_size > 10_000

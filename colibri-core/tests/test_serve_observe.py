@@ -102,3 +102,13 @@ def test_experts_reports_each_layer_from_the_engine_stats(served):
     assert layer["resident"] == [1, 2, 0, 0] and layer["hit_rate"] == 0.75
     assert sum(layer["uses"]) > sum(before["layers"][0]["uses"]), "a new request must show in the use counts"
     assert after["expert_hits"] == layer["hits"] and after["rss_bytes"] == 1 << 20
+
+
+def test_experts_is_503_while_the_engine_loads(model_dir):
+    running = start_server(model_dir, api_key=KEY, wait=False, env={"SERVE_FAKE_LOAD_DELAY": "3"})
+    try:
+        loading = httpx.get(running.base + "/experts", headers=AUTH, timeout=10)
+        assert loading.status_code == 503 and loading.json()["error"]["code"] == "engine_unavailable"
+        assert httpx.get(running.base + "/profile", headers=AUTH, timeout=10).json()["engine"] == "loading"
+    finally:
+        running.stop()

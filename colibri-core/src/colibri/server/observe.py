@@ -27,6 +27,8 @@ STATS_MAX_AGE_S = 0.5
 STATS_TIMEOUT_S = 30.0
 PROFILE_KEEP = 256
 PHASES = ("io_wait_s", "expert_s", "attention_s", "other_s")
+TOTALS = ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read", "expert_reads", "prefilled_tokens",
+          "generated_tokens", "rss_bytes", "pin", "prefetch", "io", "lossy")
 PER_LAYER = ("hits", "misses", "bytes_read", "reads", "experts", "cache_slots", "uses", "resident")
 
 
@@ -147,8 +149,5 @@ def experts_view(stats: dict[str, Any]) -> dict[str, Any]:
         lookups = (entry["hits"] or 0) + (entry["misses"] or 0)
         entry["hit_rate"] = (entry["hits"] or 0) / lookups if lookups else None
         out_layers.append(entry)
-    totals: dict[str, Any] = {name: stats.get(name) for name in ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read",
-                                                 "expert_reads", "prefilled_tokens", "generated_tokens", "rss_bytes",
-                                                 "pin", "prefetch", "io", "lossy")
-              if name in stats}
+    totals: dict[str, Any] = {name: stats[name] for name in TOTALS if name in stats}
     return {**totals, "layers": out_layers}

@@ -250,7 +250,8 @@ function drawHeatmap(layers) {
   const canvas = $("heatmap");
   const usable = layers.filter((l) => Array.isArray(l.uses));
   const columns = Math.max(1, ...usable.map((l) => l.uses.length));
-  const cell = Math.max(2, Math.min(24, Math.floor(canvas.clientWidth / columns) || 8));
+  const room = canvas.parentElement.clientWidth - 12;   // the wrapper scrolls when 2 px per expert do not fit
+  const cell = Math.max(2, Math.min(24, Math.floor(room / columns) || 8));
   const rowHeight = Math.max(4, Math.min(18, Math.floor(360 / Math.max(1, usable.length))));
   canvas.width = columns * cell;
   canvas.height = Math.max(1, usable.length) * rowHeight;
