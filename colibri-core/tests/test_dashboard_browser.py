@@ -170,6 +170,9 @@ def test_chat_streams_the_greedy_text_and_the_stats_and_heatmap_follow(browser, 
     # --disk-bw 1.5: decode speed as a share of what the disk allows at the decode phase's hit rate
     assert text_of(browser, "stat-share").endswith("%") and "(--disk-bw)" in text_of(browser, "stat-bound")
     assert wait_for(browser, "document.querySelectorAll('#profile tbody tr').length >= 2", "the request table")
+    # one KV slot (free again) and the empty queue of coli serve's default --max-queue 16
+    assert browser.execute_script("return [...document.querySelectorAll('#slots i')].map((i) => i.className)") == [""]
+    assert text_of(browser, "queue") == "0 / 16"
     shot = screenshot(browser, "dashboard.png", tmp_path_factory, capsys)
     assert shot.stat().st_size > 10_000
 

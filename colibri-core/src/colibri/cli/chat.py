@@ -91,7 +91,7 @@ class ReasoningApart:
 
 @app.command("chat")
 def chat_command(
-    url: Optional[str] = typer.Argument(None, metavar="[URL]", help="With --attach: the server's address "
+    url: Optional[str] = typer.Argument(None, metavar="URL", help="With --attach: the server's address "
                                         "(default http://127.0.0.1:8000)."),
     attach: bool = typer.Option(False, "--attach", help="Drive a running coli serve over its streaming API "
                                 "(at URL, default 127.0.0.1:8000) instead of loading an engine here; with no "
@@ -121,7 +121,8 @@ def chat_command(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
                                          "that has the switch (Qwen3); default: the template's own."),
 ) -> None:
-    """Chat with a model: the engine loads once; each turn reuses the cached prefix of the conversation."""
+    """Chat with a model: the engine loads once; each turn reuses the cached prefix of the conversation (with
+    --attach: the same, driving a running coli serve)."""
     from .. import launch
     from ..cachedir import cache_root
     from ..chat_input import LineSource
