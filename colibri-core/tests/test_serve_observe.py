@@ -112,3 +112,23 @@ def test_experts_is_503_while_the_engine_loads(model_dir):
         assert httpx.get(running.base + "/profile", headers=AUTH, timeout=10).json()["engine"] == "loading"
     finally:
         running.stop()
+
+
+def test_a_record_takes_the_decode_phase_for_the_disk_bound():
+    from colibri.server.observe import DiskBound, Profile
+
+    profile = Profile(DiskBound(1e9, "--disk-bw", 1000), keep=2)
+    done = {"reason": "length", "prompt_tokens": 10, "prefilled_tokens": 4, "generated_tokens": 8,
+            "prefill_tps": 100.0, "decode_tps": 40.0, "hit_rate": 0.5, "bytes_read": 9000,
+            "io_wait_s": 1.0, "expert_s": 2.0, "attention_s": 0.5, "other_s": 0.5,
+            "decode": {"hit_rate": 0.9, "bytes_read": 800, "io_wait_s": 0.1, "expert_s": 0.3, "attention_s": 0.1,
+                       "other_s": 0.0}}
+    for _ in range(3):
+        profile.record(done, "messages", 1, user="u")
+    (older, newer) = profile.last(5)
+    assert profile.count == 3 and (older["seq"], newer["seq"]) == (2, 3), "only the newest `keep` are kept"
+    assert newer["cached_tokens"] == 6 and newer["io_wait_share"] == 0.25 and newer["decode"]["io_wait_share"] == 0.2
+    # the prompt's misses do not dilute it: 1e9 / ((1 - 0.9) x 1000) tok/s
+    assert newer["disk_bound_tps"] == pytest.approx(1e7) and newer["share_of_disk_bound"] == pytest.approx(4e-6)
+    assert (newer["route"], newer["slot"], newer["user"]) == ("messages", 1, "u")
+    assert DiskBound().tokens_per_s(0.5) is None and DiskBound(1e9, "x", 1000).tokens_per_s(1.0) is None
