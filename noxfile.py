@@ -21,7 +21,8 @@ TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables",
                      "nox",         # the layout test checks `nox -l`
                      "hypothesis",  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
-                     "openai-agents")   # an unmodified agent framework against coli serve (test_serve_agent_sdk.py)
+                     "openai-agents",   # an unmodified agent framework against coli serve (test_serve_agent_sdk.py)
+                     "selenium")    # the dashboard in Debian's chromium (colibri-core/tests/test_dashboard_browser.py)
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}

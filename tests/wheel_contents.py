@@ -1,5 +1,6 @@
-"""What a built wheel must hold beyond what ``twine check`` looks at: its LICENSE, and each bundled model's weights
-at most once (colibri-olmoe once shipped colibri-nano both as bf16 and as its int8 container).
+"""What a built wheel must hold beyond what ``twine check`` looks at: its LICENSE, each bundled model's weights at
+most once (colibri-olmoe once shipped colibri-nano both as bf16 and as its int8 container), and colibri-core's
+dashboard files.
 
 Run by ``nox -s packaging`` on the wheels it builds (``python tests/wheel_contents.py WHEEL...``); the layout test
 applies the same rule to the file list hatchling would put in the wheel, without building it.
@@ -12,6 +13,9 @@ import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import PurePosixPath
+
+# what `coli serve` serves at / (colibri/server/dashboard.py): package data, so the wheel must carry it
+DASHBOARD_ASSETS = tuple(f"colibri/server/static/{name}" for name in ("index.html", "dashboard.js", "dashboard.css"))
 
 
 def duplicate_models(names: Iterable[str], read: Callable[[str], bytes]) -> list[str]:
@@ -33,6 +37,8 @@ def wheel_problems(path: str) -> list[str]:
                     for dup in duplicate_models(names, wheel.read)]
     if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):
         problems.append(f"{path}: no LICENSE in .dist-info/licenses")
+    if PurePosixPath(path).name.startswith("colibri_core-"):
+        problems += [f"{path}: the dashboard's {asset} is missing" for asset in DASHBOARD_ASSETS if asset not in names]
     return problems
 
 

@@ -126,7 +126,11 @@ def main():
             elif op == "reset":
                 cached[int(msg.get("slot", 0))] = []
             elif op == "stats":
-                emit({"ev": "stats", "generated": generated_total, "hits": [0], "misses": [0], "bytes_read": [0]})
+                g = generated_total   # one MoE layer of 4 experts, 2 cached: expert 0 takes half the accesses
+                emit({"ev": "stats", "generated": g, "expert_hits": 3 * g, "expert_misses": g,
+                      "hit_rate": 0.75 if g else 0.0, "expert_bytes_read": 1000 * g, "rss_bytes": 1 << 20,
+                      "layers": [0], "hits": [3 * g], "misses": [g], "bytes_read": [1000 * g], "reads": [g],
+                      "experts": [4], "cache_slots": [2], "uses": [[2 * g, g, g, 0]], "resident": [[1, 2, 0, 0]]})
             elif op == "submit":
                 rid, slot, prompt = msg.get("id"), msg.get("slot"), msg.get("prompt") or []
                 if slot not in cached:

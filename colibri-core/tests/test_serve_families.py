@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,10 +29,10 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from cli_server import COLI, coli_server
 from serve_harness import connect, raw_request, read_at_least
 
 CTX = 256
-COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]
 
 # family id -> (tiny_model kind, the package that serves it)
 FAMILIES = {
@@ -54,42 +53,13 @@ def model_dir(request, tiny_root) -> Path:
     return tiny_model(kind, tiny_root).path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(model_dir):
-    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
     env.pop("COLI_API_KEY", None)
-    proc = subprocess.Popen([*COLI, "serve", "--model", str(model_dir), "--port",
-                             str(port), "--kv-slots", "2", "--ctx", str(CTX), "--threads", "1",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300   # the first run may compile the engine
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"coli serve exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("coli serve never became healthy")
-            time.sleep(0.1)
-        yield base, proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with coli_server(["serve", "--model", str(model_dir), "--kv-slots", "2", "--ctx", str(CTX), "--threads", "1",
+                      "--log-level", "warning"], env) as running:
+        yield running
 
 
 def client(base: str) -> openai.OpenAI:

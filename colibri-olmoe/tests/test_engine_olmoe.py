@@ -119,6 +119,16 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
         assert stats["reads"] == misses
         assert stats["bytes_read"] == [m * one_expert for m in misses]
         assert result.stats["expert_misses"] == sum(misses) and result.stats["expert_hits"] == sum(hits)
+        # Per expert (a dashboard's heatmap): the uses add up to the layer's accesses; a partial cache holds exactly
+        # its slots' worth of experts (all filled by now; none pinned: pin is off), a full one every expert used.
+        assert stats["experts"] == [n_experts] * n_layers and stats["cache_slots"] == [cached] * n_layers
+        assert [sum(u) for u in stats["uses"]] == total
+        for uses, resident in zip(stats["uses"], stats["resident"]):
+            assert set(resident) <= {0, 1}
+            if cap == 0:
+                assert resident == [int(u > 0) for u in uses]
+            else:
+                assert sum(resident) == cached and all(u > 0 for u, r in zip(uses, resident) if r)
         if cap == 0:
             assert all(m <= n_experts for m in misses), "with every expert cached, each is read at most once"
         if prefetch:

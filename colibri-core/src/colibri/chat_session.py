@@ -110,10 +110,15 @@ class ChatSession:
         return reply
 
     def totals(self) -> TurnStats:
-        total = TurnStats()
-        for t in self.turns:
-            total.prompt_tokens += t.prompt_tokens
-            total.reused_tokens += t.reused_tokens
-            total.prefilled_tokens += t.prefilled_tokens
-            total.generated_tokens += t.generated_tokens
-        return total
+        return sum_turns(self.turns)
+
+
+def sum_turns(turns: list[TurnStats]) -> TurnStats:
+    """The conversation's totals (``/stats``), for a local or an attached chat."""
+    total = TurnStats()
+    for t in turns:
+        total.prompt_tokens += t.prompt_tokens
+        total.reused_tokens += t.reused_tokens
+        total.prefilled_tokens += t.prefilled_tokens
+        total.generated_tokens += t.generated_tokens
+    return total

@@ -156,25 +156,27 @@ def plan_request(facts: ModelFacts, ram: float | None, ctx: int | None, kv_slots
         mem = sysinfo.memory()
         ram_bytes = mem.available_bytes
         sources["ram"] = mem.source
+    bandwidth, sources["disk_bandwidth"] = disk_bandwidth(facts, disk_bw, measure_disk)
+    return PlanRequest(ram_bytes=ram_bytes, ctx=ctx, kv_slots=kv_slots, disk_bandwidth=bandwidth, cap=cap), sources
+
+
+def disk_bandwidth(facts: ModelFacts, disk_bw: float | None, measure_disk: bool = False) -> tuple[float, str]:
+    """The read bandwidth (bytes/s, 0 = unknown) of the disk holding the model, and where the figure came from:
+    ``--disk-bw`` (GB/s), a measurement now (``measure_disk``), or one taken earlier on the same disk."""
     if disk_bw is not None:
         if disk_bw <= 0:
             raise UsageError(f"--disk-bw {disk_bw:g}: must be more than 0 GB/s", "pass --disk-bw 2.5, say")
-        bandwidth = disk_bw * GB
-        sources["disk_bandwidth"] = "--disk-bw"
-    elif measure_disk:
+        return disk_bw * GB, "--disk-bw"
+    shard = _largest_shard(facts)
+    if measure_disk:
         # Reading a shard is the one way to know the disk, and the only weight bytes plan ever reads: opt-in.
-        shard = _largest_shard(facts)
         bandwidth = sysinfo.measure_read_bandwidth(shard)
         if bandwidth > 0:
             sysinfo.remember_read_bandwidth(shard, bandwidth)
-        sources["disk_bandwidth"] = f"measured reading {shard.name}"
-    else:
-        shard = _largest_shard(facts)
-        cached = sysinfo.cached_read_bandwidth(shard)
-        bandwidth = cached or 0.0
-        sources["disk_bandwidth"] = ("measured earlier on this disk (--measure-disk)" if cached else
-                                     "unknown: pass --disk-bw GB/s or --measure-disk")
-    return PlanRequest(ram_bytes=ram_bytes, ctx=ctx, kv_slots=kv_slots, disk_bandwidth=bandwidth, cap=cap), sources
+        return bandwidth, f"measured reading {shard.name}"
+    cached = sysinfo.cached_read_bandwidth(shard)
+    return (cached or 0.0, "measured earlier on this disk (--measure-disk)" if cached else
+            "unknown: pass --disk-bw GB/s or --measure-disk")
 
 
 def make_plan(facts: ModelFacts, request: PlanRequest) -> ResourcePlan:

@@ -81,8 +81,25 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def open_browser_when_listening(server, url: str) -> None:
+    """``coli web``: open the dashboard once uvicorn listens (the page itself waits for the engine)."""
+    import threading
+    import webbrowser
+
+    def wait_then_open() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started and not webbrowser.open(url):
+            typer.echo(f"coli web: no browser found; open {url}", err=True)
+
+    threading.Thread(target=wait_then_open, name="open-browser", daemon=True).start()
+
+
+@app.command("web", help="Serve the model (as coli serve, same options) and open its dashboard in the browser: "
+                         "chat, live speed, hit rate, bytes read, and a per-layer heatmap of the expert cache.")
 @app.command("serve")
 def serve_command(
+    context: typer.Context,
     model: str | None = ModelOption,
     family: str | None = FamilyOption,
     host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to bind. Anything but loopback needs an API "
@@ -130,6 +147,9 @@ def serve_command(
                                                    "--max-connections-per-client",
                                                    help="Open connections from one client address."),
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
+    disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s", help="The model disk's read "
+                                         "bandwidth for the dashboard's disk bound (default: what coli plan "
+                                         "--measure-disk or coli setup measured on that disk)."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from .. import hooks
@@ -140,6 +160,7 @@ def serve_command(
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
     from ..server.connections import uvicorn_server
+    from .inspect import disk_bandwidth
 
     check_bind(host, api_key)
     if not 1 <= port <= 65535:
@@ -171,6 +192,9 @@ def serve_command(
         print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
+    bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
+    if not bandwidth:
+        bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
     sock = bind_socket(host, port)
 
     fatal: list[str] = []
@@ -180,7 +204,9 @@ def serve_command(
                           created=int(time.time()), lossy=spec.streaming.lossy_label(), host=host,
                           allowed_hosts=tuple(allowed_host or ()), header_timeout=header_timeout,
                           body_timeout=body_timeout, max_connections=max_connections or 0,
-                          max_connections_per_client=max_connections_per_client)
+                          max_connections_per_client=max_connections_per_client, disk_bandwidth=bandwidth,
+                          disk_bandwidth_source=bandwidth_source,
+                          routed_bytes_per_token=spec.plan.routed_bytes_per_token)
 
     def on_fatal(detail: str) -> None:
         fatal.append(detail)
@@ -200,8 +226,10 @@ def serve_command(
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}) on http://{shown}:{port}/v1 — "
                f"{kv_slots} slot(s), ctx {spec.ctx}, queue {max_queue}, "
-               f"{'API key required' if api_key else 'no API key (loopback only)'}; loading the engine…",
-               err=True)
+               f"{'API key required' if api_key else 'no API key (loopback only)'}; dashboard on "
+               f"http://{shown}:{port}/; loading the engine…", err=True)
+    if context.info_name == "web":
+        open_browser_when_listening(server, f"http://{shown}:{port}/")
     try:
         server.run(sockets=[sock])
     finally:

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "expert_stats.h"
 #include "json.h"
 #include "kernels.h"
 #include "sampler.h"
@@ -558,6 +559,7 @@ static void do_stats(engine_t *E) {
         }
         cb_buf_puts(b, "]");
     }
+    cb_experts_put_maps(b, E->info.expert_layers, E->info.n_expert_layers);
     cb_buf_puts(b, "}");
     emit(E);
 }

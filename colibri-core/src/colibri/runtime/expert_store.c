@@ -55,12 +55,13 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->buf = calloc((size_t)L->cap, sizeof(void *));
     L->data_off = calloc((size_t)L->cap, sizeof(size_t));
     L->route_count = calloc((size_t)n_experts, sizeof(uint32_t));
+    L->uses = calloc((size_t)n_experts, sizeof(uint64_t));
     L->heat = calloc((size_t)n_experts, sizeof(double));
     L->heat_unit = 1.0;
     L->pinned = calloc((size_t)n_experts, 1);
     L->predicted = calloc((size_t)n_experts, 1);
     if (!L->loc || !L->slot_of || !L->expert_in || !L->last_use || !L->buf || !L->data_off || !L->route_count ||
-        !L->heat || !L->pinned || !L->predicted) {
+        !L->uses || !L->heat || !L->pinned || !L->predicted) {
         snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
         cb_experts_free(L);
         return -1;
@@ -140,6 +141,7 @@ void cb_experts_free(cb_expert_layer *L) {
     free(L->last_use);
     free(L->data_off);
     free(L->route_count);
+    free(L->uses);
     free(L->heat);
     free(L->pinned);
     free(L->predicted);
@@ -208,6 +210,7 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         return -1;
     }
     L->route_count[e]++;
+    L->uses[e]++;
     trace_access(L, e);
     if (cb_experts_options()->pin) cbx_warm_up(L, e);
     int s = L->slot_of[e];

@@ -122,6 +122,7 @@ typedef struct {
     cb_expert_counters count;
     size_t *data_off;          /* slot -> where the expert's bytes start in its buffer (direct-I/O alignment) */
     uint32_t *route_count;     /* expert -> times routed to (what the sidecar keeps across runs) */
+    uint64_t *uses;            /* expert -> accesses in this process alone (the stats op's use counts) */
     double *heat;              /* expert -> decayed routing count, in units of heat_unit (hot set only) */
     double heat_unit;          /* what one access adds now: grows by 1/HEAT_DECAY per access, so older ones weigh
                                 * less without touching every expert (rescaled before it overflows) */

@@ -7,7 +7,8 @@ restart the engine), ``textgen`` (stop sequences), ``sse`` (event-stream framing
 client's disconnect), ``crosssite`` (Host, Origin and content-type rules), ``connections`` (header deadline,
 connection caps, descriptor exhaustion), ``prompt_bound`` (bytes per token, to refuse before tokenizing),
 ``metrics`` (Prometheus text), ``access_log`` (a line per request), ``auth`` (API key), ``codec`` (tokenizer +
-chat template), ``openai_routes`` / ``anthropic_routes`` (the two dialects).
+chat template), ``openai_routes`` / ``anthropic_routes`` (the two dialects), ``observe`` (the engine's expert
+stats and the last requests' profile), ``dashboard`` (``/experts``, ``/profile`` and the page's static files).
 """
 
 from __future__ import annotations

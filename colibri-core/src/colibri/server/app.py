@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_routes, openai_routes, responses_routes
+from . import anthropic_routes, dashboard, openai_routes, responses_routes
 from .access_log import AccessLog, note
 from .auth import check_key
 from .config import ServerConfig
@@ -33,6 +33,7 @@ from .engine_host import EngineHost, EngineLike
 from .errors import APIError, dialect_of
 from .generation import Codec, Services
 from .metrics import Metrics
+from .observe import DiskBound, EngineStats, Profile
 from .scheduler import SlotScheduler
 from .validation import parse_json_body
 
@@ -171,8 +172,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
     metrics = Metrics()
     host = EngineHost(engine_factory, on_fatal=on_fatal)
     scheduler = SlotScheduler(config.kv_slots, config.max_queue, config.queue_timeout)
+    profile = Profile(DiskBound(config.disk_bandwidth, config.disk_bandwidth_source, config.routed_bytes_per_token))
     services = Services(host=host, scheduler=scheduler, codec=codec, metrics=metrics, ctx=config.ctx,
-                        queue_timeout=config.queue_timeout, default_sampling=dict(default_sampling or {}))
+                        queue_timeout=config.queue_timeout, default_sampling=dict(default_sampling or {}),
+                        profile=profile)
 
     async def health(request: Request) -> JSONResponse:
         body: dict[str, Any] = {"status": "ok" if host.ready else host.state, "model": config.model_id}
@@ -206,6 +209,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _endpoint("count_tokens", anthropic_routes.count_tokens), methods=["POST"]),
         Route("/v1/responses", _endpoint("responses", responses_routes.responses), methods=["POST"]),
+        Route("/experts", _endpoint("experts", dashboard.experts), methods=["GET"]),
+        Route("/profile", _endpoint("profile", dashboard.profile), methods=["GET"]),
+        *(Route(path, _endpoint("dashboard", dashboard.asset), methods=["GET"]) for path in dashboard.ASSETS),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -215,7 +221,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                              code="method_not_allowed")
         elif exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-                                  f"/v1/completions, /v1/responses, /v1/messages, /health, /metrics", code="not_found")
+            error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
+                                  f"/v1/completions, /v1/responses, /v1/messages, /health, /metrics, /experts, "
+                                  f"/profile, / (the dashboard)", code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), code="http_error")
         return error_response(error, request.url.path)
@@ -244,6 +252,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
     app.state.services = services
     app.state.metrics = metrics
     app.state.host = host
+    app.state.profile = profile
+    app.state.engine_stats = EngineStats(host, profile)
     app.state.read_json = read_json
     # counting tokens takes no KV slot, so it has its own bound: as many prompts in the tokenizer as there are slots
     app.state.tokenizer_gate = asyncio.Semaphore(config.kv_slots)

@@ -1,4 +1,4 @@
-"""API-key checking, in constant time, on every route except ``/health``.
+"""API-key checking, in constant time, on every route except ``/health`` and the dashboard's static files.
 
 OpenAI clients send ``Authorization: Bearer KEY``; Anthropic clients send ``x-api-key: KEY`` (Bearer is accepted
 there too). CORS preflights (``OPTIONS``) carry no credentials by design and are answered by the CORS layer.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hmac
 
+from .dashboard import OPEN_PATHS as PAGE_PATHS
 from .errors import APIError, dialect_of
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", *PAGE_PATHS)   # the dashboard's page and assets hold no data; its API calls send the key
 
 
 def presented_key(headers: dict[str, str], path: str) -> str | None:

@@ -35,3 +35,6 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S        # and its body within this after them
     max_connections: int = 0               # open connections at once; 0 = 512, or fewer if descriptors are few
     max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT   # from one client address
+    disk_bandwidth: float = 0.0            # bytes/s of the model's disk for the dashboard's disk bound; 0 = unknown
+    disk_bandwidth_source: str = "unknown"   # where that figure came from (--disk-bw, an earlier measurement)
+    routed_bytes_per_token: int = 0        # routed-expert bytes one token reads when every expert misses (the plan)

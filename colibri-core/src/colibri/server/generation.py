@@ -35,6 +35,7 @@ from .engine_host import EngineHost
 from .errors import APIError, bad_request
 from .hangup import HangUpWatch
 from .metrics import Metrics
+from .observe import Profile
 from .prompt_bound import PromptBound
 from .scheduler import Lease, SlotScheduler
 from .textgen import StopMatcher
@@ -110,6 +111,7 @@ class Services:
     ctx: int
     queue_timeout: float
     default_sampling: Mapping[str, float] = field(default_factory=dict)   # the checkpoint's generation_config
+    profile: Profile = field(default_factory=Profile)                     # the last sequences (GET /profile)
 
 
 def conversation_key(spec: GenerationSpec) -> str | None:
@@ -312,6 +314,7 @@ class GenerationRun:
                     clock.token()
                 elif event.get("ev") == "done":
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
+                    loop.call_soon_threadsafe(self.s.profile.record, event, self.route, lease.slot, self.spec.user)
                 loop.call_soon_threadsafe(put, ("event", event))
         except EngineRequestError as exc:
             loop.call_soon_threadsafe(put, ("refused", exc))

@@ -117,6 +117,18 @@ class Metrics:
                 self.last_decode_tps = num("decode_tps")
                 self.decode_seconds += generated / self.last_decode_tps
 
+    def summary(self) -> dict[str, Any]:
+        """The totals as JSON (``GET /profile``): what the Prometheus text carries, for a page to read."""
+        with self._lock:
+            lookups = self.expert_hits + self.expert_misses
+            return {"sequences": self.sequences, "prompt_tokens": self.prompt_tokens,
+                    "prefilled_tokens": self.prefilled_tokens, "generated_tokens": self.generated_tokens,
+                    "expert_hits": self.expert_hits, "expert_misses": self.expert_misses,
+                    "hit_rate": self.expert_hits / lookups if lookups else None, "bytes_read": self.bytes_read,
+                    "reads": self.reads, "rss_bytes": self.rss_bytes, "last_prefill_tps": self.last_prefill_tps,
+                    "last_decode_tps": self.last_decode_tps,
+                    "decode_tps_average": self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0}
+
     def render(self, gauges: Mapping[str, tuple[str, float]]) -> str:
         """The exposition text; ``gauges`` maps a name to (help, value) read at scrape time."""
         return generate_latest(_Scrape(self.registry, gauges)).decode("utf-8")

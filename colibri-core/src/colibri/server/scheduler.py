@@ -69,6 +69,11 @@ class SlotScheduler:
         return self.slots - len(self._free)
 
     @property
+    def busy_slots(self) -> list[int]:
+        """The slots held by a request now (the dashboard draws each slot)."""
+        return sorted(set(range(self.slots)) - self._free)
+
+    @property
     def queued(self) -> int:
         return len(self._waiters)
 
