@@ -221,7 +221,6 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                              code="method_not_allowed")
         elif exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-            error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
                                   f"/v1/completions, /v1/responses, /v1/messages, /health, /metrics, /experts, "
                                   f"/profile, / (the dashboard)", code="not_found")
         else:
