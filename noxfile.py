@@ -20,7 +20,8 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables",
                      "nox",         # the layout test checks `nox -l`
-                     "hypothesis")  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
+                     "hypothesis",  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
+                     "llguidance>=1.0")  # constrained decoding (colibri-core[structured]; test_serve_structured.py)
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
