@@ -47,6 +47,15 @@ def schema_grammar(schema: dict[str, Any] | None) -> str:
                               "check it against JSON Schema draft 2020-12") from None
 
 
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar of a Lark grammar (forced tool calls, :mod:`colibri.call_grammar`)."""
+    try:
+        return _llguidance().LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"the tool-call grammar cannot be compiled: {exc}",
+                              "check the tools' parameter schemas") from None
+
+
 class Constraint:
     """One reply's matcher: the mask of the next step, advanced by each token the engine feeds."""
 

@@ -172,25 +172,30 @@ class GenerationRun:
 
         Nothing is tokenized here (that costs far more memory than the text), so a huge prompt costs its bytes."""
         spec, codec = self.spec, self.s.codec
-        try:
-            self._grammar = structured.grammar_for(spec, codec)
-        except ConstraintError as exc:
-            raise bad_request(exc.one_line(), param="response_format" if spec.response_format else "tool_choice",
-                              code="invalid_grammar") from None
         if spec.prompt_ids is not None:
             if len(spec.prompt_ids) >= self.s.ctx:
                 raise self._too_long(f"{len(spec.prompt_ids)} tokens")
+            self._compile_grammar()
             return
         try:
             self._text = spec.prompt_text if spec.prompt_text is not None else self._render(codec)
         except ColibriError as exc:   # e.g. the template refuses the roles' order, or there is no template
             raise bad_request(exc.one_line(), param=self._prompt_param(), code="invalid_prompt") from None
         self.prompt_tail = self._text[-256:]
+        self._compile_grammar()
         size = len(self._text.encode("utf-8"))
         at_least = codec.bound.min_tokens(size)
         if at_least >= self.s.ctx:
             raise self._too_long(f"{size} bytes, so at least {at_least} tokens (no token of this model covers more "
                                  f"than {codec.bound.bytes_per_token} bytes)")
+
+    def _compile_grammar(self) -> None:
+        spec = self.spec
+        try:
+            self._grammar = structured.grammar_for(spec, self.s.codec, self.prompt_tail)
+        except ConstraintError as exc:
+            raise bad_request(exc.one_line(), param="response_format" if spec.response_format else "tool_choice",
+                              code="invalid_grammar") from None
 
     def _render(self, codec: Codec) -> str:
         spec = self.spec

@@ -1,9 +1,10 @@
 """Constrained decoding for one generation run: which grammar a request asks for, and the mask of each step.
 
-``response_format`` ``json_object``/``json_schema`` compile to a JSON grammar (:mod:`colibri.constraints`). The
-first mask is sent right after the submit; each later one as soon as the engine reports the token it sampled,
-while the engine runs that token's forward pass, so computing it costs no wall time unless it is slower than the
-model. No mask is sent after a stop token: the sequence is over.
+``response_format`` ``json_object``/``json_schema`` compile to a JSON grammar (:mod:`colibri.constraints`); a
+forcing ``tool_choice`` to one call in the family's syntax (:mod:`colibri.call_grammar`). The first mask is sent
+right after the submit; each later one as soon as the engine reports the token it sampled, while the engine runs
+that token's forward pass, so computing it costs no wall time unless it is slower than the model. No mask is sent
+after a stop token: the sequence is over.
 """
 
 from __future__ import annotations
@@ -11,16 +12,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..constraints import Constraint, ConstraintCompiler, schema_grammar
+from ..call_grammar import forced_call_grammar
+from ..constraints import Constraint, ConstraintCompiler, ConstraintError, lark_grammar, schema_grammar
 from ..errors import EngineError
+from ..output_parser import prompt_opens_reasoning
 
 
-def grammar_for(spec: Any, codec: Any) -> str | None:
+def grammar_for(spec: Any, codec: Any, prompt_text: str) -> str | None:
     """The request's grammar, or None when it is unconstrained. Raises ConstraintError for a bad schema."""
     fmt = spec.response_format
-    if fmt is None:
+    if fmt is not None:
+        return schema_grammar(fmt.get("schema") if fmt["type"] == "json_schema" else None)
+    if not spec.tools or spec.tool_choice in ("auto", "none"):
         return None
-    return schema_grammar(fmt.get("schema") if fmt["type"] == "json_schema" else None)
+    make = getattr(codec, "output_parser", None)
+    parser = make() if make is not None else None
+    syntax = parser.syntax if parser is not None else None
+    if syntax is None or syntax.call_grammar is None:
+        raise ConstraintError("this model's family cannot force a tool call (its output syntax has no call "
+                              "grammar)", "use tool_choice 'auto'")
+    only = spec.tool_choice.removeprefix("function:") if spec.tool_choice.startswith("function:") else None
+    close = syntax.reasoning_close if prompt_opens_reasoning(syntax, prompt_text) else None
+    return lark_grammar(forced_call_grammar(syntax.call_grammar, spec.tools, only, close))
 
 
 def compiler(codec: Any, vocab: int) -> ConstraintCompiler:

@@ -44,7 +44,7 @@ class GenerationSpec:
     user: str | None = None
     cache_slot: int | None = None
     tools: list[dict[str, Any]] | None = None      # OpenAI-shaped function tools, for the template and the parser
-    tool_choice: str = "auto"                      # "auto" or "none" (forcing a call is refused)
+    tool_choice: str = "auto"                      # "auto", "none", "required" or "function:NAME"
     parallel_tool_calls: bool = True               # False: only the first call of a reply is returned
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # the template's own variables (thinking)
     min_p: float | None = None                     # None: the checkpoint's default, else off
@@ -340,7 +340,7 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
     else:
         _refuse_if_set(fields, "functions", "the deprecated form of 'tools'; send 'tools'")
         spec.tools = tool_fields.openai_tools(data)
-        spec.tool_choice = tool_fields.openai_tool_choice(data)
+        spec.tool_choice = tool_fields.openai_tool_choice(data, spec.tools)
     spec.parallel_tool_calls = fields.boolean("parallel_tool_calls", True)
     spec.template_kwargs = tool_fields.template_kwargs(data, thinking_switch)
     _refuse_if_set(fields, "reasoning_effort", "no template levels are mapped yet; turn thinking on or off with "
@@ -453,7 +453,7 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
         _refuse_if_set(fields, "tool_choice", "this model's family has no tool-use support")
     else:
         spec.tools = tool_fields.anthropic_tools(data)
-        spec.tool_choice = tool_fields.anthropic_tool_choice(data)
+        spec.tool_choice = tool_fields.anthropic_tool_choice(data, spec.tools)
         choice = data.get("tool_choice")
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
             spec.parallel_tool_calls = False
