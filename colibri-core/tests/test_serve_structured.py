@@ -172,3 +172,25 @@ def test_sampler_fields_reach_the_engine(server):
                                  logit_bias={str(token): 100}, extra_body={"min_p": 0.1, "repetition_penalty": 1.1})
     codec = server.codec
     assert reply.choices[0].logprobs.tokens == [codec.tokenizer.decode([token], skip_special_tokens=False)] * 3
+
+
+def test_coli_run_json_schema_produces_valid_json(server, tmp_path):
+    import os
+    import subprocess
+
+    schema_file = tmp_path / "pet.schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for seed in (1, 2):
+        out = subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", "run", "a pet, as JSON",
+                              "--model", str(server.app.state.services.codec.model.path), "--json-schema",
+                              str(schema_file), "--temp", "1.0", "--seed", str(seed), "-n", "300", "--ctx",
+                              str(CTX), "--threads", "1", "--json"], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert out.returncode == 0, out.stderr
+        assert valid(json.loads(json.loads(out.stdout)["text"]), SCHEMA)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    out = subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", "run", "x", "--model",
+                          str(server.app.state.services.codec.model.path), "--json-schema", str(bad)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "--json-schema" in out.stderr and "Traceback" not in out.stderr

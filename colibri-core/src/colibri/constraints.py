@@ -35,25 +35,62 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def schema_grammar(schema: dict[str, Any] | None) -> str:
+def schema_grammar(schema: dict[str, Any] | None, lead: str | None = None) -> str:
     """The llguidance grammar of a JSON schema (None: any JSON object), compact JSON with no free whitespace, so
-    a sampled reply cannot wander off into blank space."""
+    a sampled reply cannot wander off into blank space. ``lead``: literal text before it (the close of a
+    reasoning block the prompt opened: the answer, not the reasoning, is the JSON)."""
+    from .call_grammar import json_value, text
+
+    if schema is not None and not isinstance(schema, dict):
+        raise ConstraintError("the JSON schema must be an object", "check it against JSON Schema draft 2020-12")
+    body = json_value({"type": "object"} if schema is None else schema)
+    return lark_grammar(f"start: {text(lead) + ' ' if lead else ''}{body}\n", "the JSON schema",
+                        "check it against JSON Schema draft 2020-12")
+
+
+def lark_grammar(lark: str, what: str = "the tool-call grammar", hint: str = "check the tools' parameter schemas"
+                 ) -> str:
+    """The llguidance grammar of a Lark grammar (with embedded JSON schemas), checked; ``what`` and ``hint``
+    word the error."""
     ll = _llguidance()
-    target = {"type": "object"} if schema is None else schema
     try:
-        return ll.LLMatcher.grammar_from_json_schema(json.dumps(target), defaults={"whitespace_flexible": False})
+        grammar = ll.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as exc:
-        raise ConstraintError(f"the JSON schema cannot be compiled: {exc}",
-                              "check it against JSON Schema draft 2020-12") from None
+        # llguidance points at the column on further lines; the first says what is wrong
+        raise ConstraintError(f"{what} cannot be compiled: {str(exc).splitlines()[0]}", hint) from None
+    failed, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise ConstraintError(f"{what} cannot be compiled: {' '.join(messages).splitlines()[0]}", hint)
+    return grammar
 
 
-def lark_grammar(lark: str) -> str:
-    """The llguidance grammar of a Lark grammar (forced tool calls, :mod:`colibri.call_grammar`)."""
+def read_schema_file(path: Any) -> dict[str, Any]:
+    """A JSON schema file (``coli run --json-schema``), or a one-line error naming it."""
+    from pathlib import Path
+
     try:
-        return _llguidance().LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError) as exc:
-        raise ConstraintError(f"the tool-call grammar cannot be compiled: {exc}",
-                              "check the tools' parameter schemas") from None
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConstraintError(f"--json-schema {path}: cannot read it ({exc.strerror})", "pass a readable file") \
+            from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConstraintError(f"--json-schema {path}: not JSON ({exc})", "pass a JSON schema file") from None
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"--json-schema {path}: a JSON schema is an object", "pass a JSON schema file")
+    return schema
+
+
+def schema_file_grammar(model: Any, prompt_text: str, path: Any) -> str:
+    """``coli run --json-schema FILE``: the grammar of the file's schema, after the close of a reasoning block the
+    rendered prompt opened (the family's output syntax says its markers)."""
+    from . import hooks
+    from .output_parser import prompt_opens_reasoning
+
+    schema = read_schema_file(path)
+    parser = hooks.parse_output(model)
+    syntax = parser.syntax if parser is not None else None
+    lead = syntax.reasoning_close if syntax is not None and prompt_opens_reasoning(syntax, prompt_text) else None
+    return schema_grammar(schema, lead)
 
 
 class Constraint:
@@ -72,6 +109,17 @@ class Constraint:
     def advance(self, token: int) -> bool:
         """Feed the token the engine sampled; False once the matcher refuses it (then no mask can follow)."""
         return bool(self._matcher.consume_token(int(token))) and not self._matcher.is_error()
+
+    def follow(self, engine: Any, request: Any, token: int, stop_ids: Sequence[int]) -> None:
+        """After the engine sampled ``token``: advance and send the next step's mask, as soon as the token is
+        known, while the engine runs its forward pass. Nothing follows a stop token (the sequence is over); a
+        token the matcher refuses cancels the sequence where the grammar would have broken."""
+        if token in stop_ids:
+            return
+        if self.advance(token):
+            engine.mask(request, self.mask())
+        else:
+            request.cancel()
 
     @property
     def error(self) -> str:

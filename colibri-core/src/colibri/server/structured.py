@@ -21,18 +21,21 @@ from ..output_parser import prompt_opens_reasoning
 def grammar_for(spec: Any, codec: Any, prompt_text: str) -> str | None:
     """The request's grammar, or None when it is unconstrained. Raises ConstraintError for a bad schema."""
     fmt = spec.response_format
-    if fmt is not None:
-        return schema_grammar(fmt.get("schema") if fmt["type"] == "json_schema" else None)
-    if not spec.tools or spec.tool_choice in ("auto", "none"):
+    forcing = bool(spec.tools) and spec.tool_choice not in ("auto", "none")
+    if fmt is None and not forcing:
         return None
     make = getattr(codec, "output_parser", None)
-    parser = make() if make is not None else None
+    parser = make() if make is not None and spec.messages is not None else None
     syntax = parser.syntax if parser is not None else None
+    opened = syntax is not None and prompt_opens_reasoning(syntax, prompt_text)
+    if fmt is not None:
+        return schema_grammar(fmt.get("schema") if fmt["type"] == "json_schema" else None,
+                              syntax.reasoning_close if syntax is not None and opened else None)
     if syntax is None or syntax.call_grammar is None:
         raise ConstraintError("this model's family cannot force a tool call (its output syntax has no call "
                               "grammar)", "use tool_choice 'auto'")
     only = spec.tool_choice.removeprefix("function:") if spec.tool_choice.startswith("function:") else None
-    close = syntax.reasoning_close if prompt_opens_reasoning(syntax, prompt_text) else None
+    close = syntax.reasoning_close if opened else None
     return lark_grammar(forced_call_grammar(syntax.call_grammar, spec.tools, only, close))
 
 
@@ -50,14 +53,7 @@ def start(grammar: str, codec: Any, engine: Any) -> Constraint:
 
 
 def next_mask(constraint: Constraint, engine: Any, request: Any, token: int, stop_ids: Sequence[int]) -> None:
-    """After the engine sampled ``token``: advance the matcher and send the next step's mask (the engine ends a
-    sequence the matcher refuses: a cancel, so the reply stops where the grammar would have been broken)."""
-    if token in stop_ids:
-        return
     try:
-        if constraint.advance(token):
-            engine.mask(request, constraint.mask())
-        else:
-            request.cancel()
+        constraint.follow(engine, request, token, stop_ids)
     except EngineError:
         pass   # the engine died; the pump reports it from the request
