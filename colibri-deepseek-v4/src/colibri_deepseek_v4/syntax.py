@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from colibri.call_grammar import json_value, text
 from colibri.output_parser import (
@@ -61,7 +63,7 @@ def _dsml_calls(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
 CALLS = repeated("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _one)
 
 
-def call_grammar(name: str, parameters: dict) -> str:
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
     """A forced call in V3.1's form (name, separator, JSON arguments), which every release's parser reads."""
     head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + name + SEP
     return f"{text(head)} {json_value(parameters)} {text('<｜tool▁call▁end｜><｜tool▁calls▁end｜>')}"

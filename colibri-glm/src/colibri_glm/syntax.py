@@ -8,6 +8,9 @@ a value is typed by the tool's schema when it names the argument's type.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from colibri.call_grammar import key_value_arguments, text
 from colibri.output_parser import (
     OutputSyntax, ToolCall, ToolSchemas, ToolSection, argument_value, dump_arguments, pairs,
@@ -26,7 +29,7 @@ def decode_call(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
     return [ToolCall(name, dump_arguments(args))]
 
 
-def call_grammar(name: str, parameters: dict) -> str:
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
     """A forced call in GLM-4.5's layout (a newline after the name and after each pair)."""
     def pair(key: str, value: str) -> str:
         return f"{text('<arg_key>' + key + '</arg_key>' + chr(10) + '<arg_value>')} {value} " \

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from colibri.call_grammar import json_value, text
 from colibri.output_parser import (
@@ -50,7 +52,7 @@ def decode_call(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
     return None if arguments is None else [ToolCall(call["name"], arguments)]
 
 
-def call_grammar(name: str, parameters: dict) -> str:
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
     """A forced call in the Hermes form every Qwen3 template reads back."""
     call = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False}
