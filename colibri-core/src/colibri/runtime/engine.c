@@ -404,17 +404,7 @@ static int int_field(cb_json *req, const char *key, int required, int64_t def, i
 }
 
 static int num_field(cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err) {
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !(v->num >= lo && v->num <= hi)) {
-        snprintf(err, ERRLEN, "field \"%s\" must be a number in [%g, %g]", key, lo, hi);
-        return -1;
-    }
-    *out = v->num;
-    return 0;
+    return cb_json_num_field(req, key, def, lo, hi, out, err, ERRLEN);
 }
 
 /* An optional array of token ids (each in [0, vocab)); NULL/0 when absent. */

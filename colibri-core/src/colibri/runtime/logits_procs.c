@@ -9,21 +9,6 @@
 #define MAX_BIAS 100.0
 #define MAX_PENALTY 2.0
 
-static int number(const cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err,
-                  size_t errlen) {
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !(v->num >= lo && v->num <= hi)) {
-        snprintf(err, errlen, "field \"%s\" must be a number in [%g, %g]", key, lo, hi);
-        return -1;
-    }
-    *out = v->num;
-    return 0;
-}
-
 /* "logit_bias": [[token id, bias], ...], each bias in [-100, 100] as OpenAI allows. */
 static int parse_bias(cb_procs *p, const cb_json *req, char *err, size_t errlen) {
     cb_json *v = cb_json_get(req, "logit_bias");
@@ -85,10 +70,10 @@ int cb_procs_parse(cb_procs *p, const cb_json *req, int vocab, const int *prompt
     memset(p, 0, sizeof *p);
     p->vocab = vocab;
     double rep, pres, freq, min_p;
-    if (number(req, "min_p", 0.0, 0.0, 1.0, &min_p, err, errlen) ||
-        number(req, "repetition_penalty", 1.0, 1e-3, 1e3, &rep, err, errlen) ||
-        number(req, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, &pres, err, errlen) ||
-        number(req, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, &freq, err, errlen) ||
+    if (cb_json_num_field(req, "min_p", 0.0, 0.0, 1.0, &min_p, err, errlen) ||
+        cb_json_num_field(req, "repetition_penalty", 1.0, 1e-3, 1e3, &rep, err, errlen) ||
+        cb_json_num_field(req, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, &pres, err, errlen) ||
+        cb_json_num_field(req, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY, &freq, err, errlen) ||
         parse_bias(p, req, err, errlen) || parse_flags(p, req, err, errlen))
         goto fail;
     p->min_p = (float)min_p;
