@@ -164,6 +164,21 @@ def test_completions_echo_logprobs_and_a_batch(server):
     assert reply.choices[1].text == "the dog sat" + single.choices[0].text
 
 
+def test_completions_batch_streamed_with_echo_equals_the_whole_reply(server):
+    c = client(server)
+    prompts = ["one two", "three"]
+    whole = c.completions.create(model="m", prompt=prompts, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in c.completions.create(model="m", prompt=prompts, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                                      stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens
+
+
 def test_sampler_fields_reach_the_engine(server):
     """logit_bias +100 on one token makes it the only one a greedy reply can pick."""
     c = client(server)

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -84,9 +84,25 @@ async def _generate_batch(request: Request, spec: GenerationSpec):
     server's slots; streamed, each prompt's chunks follow the previous prompt's."""
     specs = [dataclasses.replace(spec, prompt_text=text, prompt_ids=ids, prompt_batch=None)
              for text, ids in spec.prompt_batch or []]
+    # one watch reads the request's receive(); each run gets its own view of it (a run's close stops only its own)
+    parent = HangUpWatch(request.receive).start()
+
+    async def gone() -> dict[str, Any]:
+        await parent.wait()
+        return {"type": "http.disconnect"}
+
     if spec.stream:
-        return EventStreamResponse(_stream_batch(request, specs), HangUpWatch(request.receive).start())
-    answers = await asyncio.gather(*(_complete(request, s) for s in specs))
+        return EventStreamResponse(_stream_batch(request, specs, lambda: HangUpWatch(gone).start()), parent)
+    try:
+        # every prompt runs to its end even when another is refused, then the first refusal answers the request
+        results = await asyncio.gather(*(_complete(request, s, HangUpWatch(gone).start()) for s in specs),
+                                       return_exceptions=True)
+    finally:
+        parent.stop()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    answers = [r for r in results if not isinstance(r, BaseException)]
     choices = []
     for index, (choice, _) in enumerate(answers):
         choices.append({**choice, "index": index})
@@ -97,8 +113,8 @@ async def _generate_batch(request: Request, spec: GenerationSpec):
                          "choices": choices, "usage": usage_body(usage)})
 
 
-async def _complete(request: Request, spec: GenerationSpec) -> tuple[dict[str, Any], Usage]:
-    run = GenerationRun(request.app.state.services, spec, "completions", HangUpWatch(request.receive).start())
+async def _complete(request: Request, spec: GenerationSpec, watch: HangUpWatch) -> tuple[dict[str, Any], Usage]:
+    run = GenerationRun(request.app.state.services, spec, "completions", watch)
     await run.start()
     parsed, _, finished = await reply_to_completion(run, ReplyParser(run))
     return _text_choice(run, parsed.content, finished.reason), finished.usage
@@ -110,11 +126,12 @@ def _text_choice(run: GenerationRun, text: str, reason: str | None) -> dict[str,
     return {"index": 0, "text": echoed + text, "finish_reason": reason, "logprobs": text_logprobs(run)}
 
 
-async def _stream_batch(request: Request, specs: list[GenerationSpec]) -> AsyncIterator[bytes]:
+async def _stream_batch(request: Request, specs: list[GenerationSpec], watch: Callable[[], HangUpWatch]
+                        ) -> AsyncIterator[bytes]:
     rid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
     model_id = request.app.state.config.model_id
     for index, spec in enumerate(specs):
-        run = GenerationRun(request.app.state.services, spec, "completions", HangUpWatch(request.receive).start())
+        run = GenerationRun(request.app.state.services, spec, "completions", watch())
         try:
             await run.start()
         except APIError as exc:
