@@ -75,7 +75,13 @@ def test_official_clients_authenticate(server):
 
 @pytest.mark.parametrize("body, param", [
     ({**CHAT, "n": 2}, "n"),
-    ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"x": 10}}, "logit_bias.x"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({**CHAT, "min_p": 2}, "min_p"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({**CHAT, "messages": "hello"}, "messages"),
     ({**CHAT, "messages": []}, "messages"),
@@ -95,8 +101,11 @@ def test_official_clients_authenticate(server):
     ({**CHAT, "stop": 5}, "stop"),
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({**CHAT, "presence_penalty": 1.0}, "presence_penalty"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "presence_penalty": 3.0}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format"),
     ({**CHAT, "user": ["x"]}, "user"),
     ({k: v for k, v in CHAT.items() if k != "messages"}, "messages"),
 ])
@@ -161,7 +170,8 @@ def test_unknown_routes_and_methods_answer_in_json(server):
 def test_fuzzed_field_types_never_cause_a_500(server):
     values = [True, -1, 2**70, 1e308, "x", [1], {"a": 1}, [{"type": "text"}]]
     fields = ["model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n",
-              "user", "cache_slot", "stream_options", "logprobs", "tools", "max_completion_tokens"]
+              "user", "cache_slot", "stream_options", "logprobs", "tools", "max_completion_tokens", "min_p",
+              "logit_bias", "repetition_penalty", "response_format", "top_logprobs"]
     for field in fields:
         for value in values:
             r = post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 1, field: value})
@@ -169,7 +179,7 @@ def test_fuzzed_field_types_never_cause_a_500(server):
             m = post(server, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": CHAT["messages"],
                                               field: value})
             assert m.status_code in (200, 400), (field, value, m.status_code, m.text)
-    for field in ("prompt", "echo", "suffix", "best_of", "stop", "max_tokens"):
+    for field in ("prompt", "echo", "suffix", "best_of", "stop", "max_tokens", "logprobs"):
         for value in values:
             c = post(server, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1, field: value})
             assert c.status_code in (200, 400), (field, value, c.status_code, c.text)

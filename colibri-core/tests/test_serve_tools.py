@@ -138,15 +138,16 @@ def test_two_step_tool_loop_renders_as_transformers(served):
     assert ForcingEngine.prompts == [server.codec.encode(want, add_special_tokens=False)]
 
 
-def test_forcing_a_call_is_refused_naming_the_field(served):
+def test_forcing_a_call_without_tools_is_refused_naming_the_field(served):
+    """Forcing itself is test_serve_forced_calls.py's (it needs a real engine to apply the mask)."""
     family, server, _ = served
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required")
+        client.chat.completions.create(model="m", messages=USER, tool_choice="required")
     assert err.value.body["param"] == "tool_choice"
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         anthropic.Anthropic(base_url=server.base, api_key="x", max_retries=0).messages.create(
-            model="m", max_tokens=16, messages=USER, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+            model="m", max_tokens=16, messages=USER, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool"})
 
 
 def test_tool_choice_none_returns_the_call_as_text(served):
@@ -206,7 +207,8 @@ def test_marker_tokens_that_are_special_still_reach_the_parser(tmp_path):
     ({"messages": USER + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
     ({"messages": USER + [{"role": "user", "content": "x", "tool_calls": [{}]}]}, "messages[1].tool_calls"),
     ({"chat_template_kwargs": {"messages": []}}, "messages"),
-    ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "always"}, "tool_choice"),
     ({"functions": [{"name": "search"}]}, "functions"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])

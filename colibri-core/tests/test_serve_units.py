@@ -147,8 +147,9 @@ def test_parsers_flatten_and_default():
     assert parse_completion({"prompt": ["one prompt"]}, "m", 1).prompt_text == "one prompt"
     assert parse_completion({"prompt": [[1, 2, 3]]}, "m", 1).prompt_ids == [1, 2, 3]
     assert parse_completion({"prompt": "x"}, "m", 1).max_tokens == 16
+    assert parse_completion({"prompt": ["a", [5, 6]]}, "m", 1).prompt_batch == [("a", None), (None, [5, 6])]
     with pytest.raises(APIError) as err:
-        parse_completion({"prompt": ["a", "b"]}, "m", 1)
+        parse_completion({"prompt": ["a", 5]}, "m", 1)
     assert err.value.param == "prompt"
     msgs = parse_messages({"max_tokens": 3, "system": [{"type": "text", "text": "sys"}],
                            "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u"}}, "m", 1)

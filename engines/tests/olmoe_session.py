@@ -127,6 +127,33 @@ def main() -> int:
         s.send({"op": "submit", "id": 15, "slot": 0, "prompt": prompt[:3], "logits": "f64"})
         e = s.event()
         check(e["ev"] == "error" and e["code"] == "bad_request" and "f32" in e["message"], f"logits f64: {e}")
+        # the sampler's processors, log-probabilities, the debug distribution and the mask of constrained decoding
+        s.send({"op": "submit", "id": 16, "slot": 1, "prompt": prompt[:6], "max_tokens": 4, "temperature": 0.9,
+                "min_p": 0.05, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                "logit_bias": [[3, 5.0], [4, -100]], "logprobs": 20, "dist": True, "top_k": 30, "forced": [3, 3]})
+        events = s.until("done", 16)
+        tokens = [e for e in events if e["ev"] == "token"]
+        dists = [np.frombuffer(base64.b64decode(e["probs"]), "<f4") for e in events if e["ev"] == "dist"]
+        check(len(tokens) == 4 and all(len(t["top"]) == 20 and t["logprob"] <= 0 for t in tokens), "logprobs")
+        check(len(dists) == 4 and all(abs(float(d.sum()) - 1) < 1e-4 and d[4] == 0 for d in dists), "dist")
+        words = (vocab + 31) // 32
+        allow = np.zeros(words, "<u4")
+        allow[0] = 1 << 9
+        s.send({"op": "submit", "id": 17, "slot": 1, "prompt": prompt[:6], "max_tokens": 2, "temperature": 1.0,
+                "constrained": True})
+        s.send({"op": "mask", "id": 17, "allow": base64.b64encode(allow.tobytes()).decode()})
+        first = [e for e in s.until("token", 17) if e["ev"] == "token"]
+        check(first[-1]["tok"] == 9, f"the mask decides: {first}")
+        s.send({"op": "mask", "id": 17, "allow": "AAAA"})
+        e = s.event()
+        check(e["ev"] == "error" and "allow" in e["message"], f"a mask of the wrong size: {e}")
+        s.send({"op": "mask", "id": 17, "allow": base64.b64encode(bytes(4 * words)).decode()})
+        e = s.event()
+        check(e["ev"] == "error" and e["id"] == 17 and "no token" in e["message"], f"an empty mask: {e}")
+        for bad in ({"min_p": 2}, {"logit_bias": [[vocab, 1]]}, {"logprobs": 21}, {"constrained": 1}):
+            s.send({"op": "submit", "id": 18, "prompt": prompt[:3], **bad})
+            e = s.event()
+            check(e["ev"] == "error" and e["code"] == "bad_request", f"bad_request for {bad}: {e}")
         s.send({"op": "stats"})
         stats = s.until("stats")[-1]
         check(all(m > 0 for m in stats["misses"]), f"misses in every layer at cap 1: {stats}")

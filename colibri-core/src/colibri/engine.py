@@ -232,10 +232,14 @@ class Engine:
 
     def submit(self, prompt: Sequence[int], *, slot: int = 0, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[int] = (),
-               logits: bool | str = False, forced: Sequence[int] | None = None) -> Request:
+               logits: bool | str = False, forced: Sequence[int] | None = None, **processors: Any) -> Request:
         """Start a sequence. ``logits``: True for prompt logits as JSON numbers, ``"f32"`` for the same values as
         base64 float32 (exact, and several times faster to send and parse: what ``coli bench quality`` uses).
-        ``forced``: teacher forcing; generated token *i* is ``forced[i]``, reported as its token event."""
+        ``forced``: teacher forcing; generated token *i* is ``forced[i]``, reported as its token event.
+
+        ``processors``: the submit's other fields as docs/protocol.md names them (``min_p``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` as [id, bias] pairs,
+        ``logprobs``, ``constrained``, ``dist``); None values are left out."""
         rid = next(self._ids)
         req = Request(self, rid, slot)
         msg: dict[str, Any] = {
@@ -247,6 +251,7 @@ class Engine:
             msg["logits"] = "f32" if logits == "f32" else True
         if forced is not None:
             msg["forced"] = [int(t) for t in forced]
+        msg.update({k: v for k, v in processors.items() if v is not None})
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -257,6 +262,12 @@ class Engine:
     def generate(self, prompt: Sequence[int], **sampling: Any) -> Result:
         """Submit and wait: the generated tokens, any requested logits, and the ``done`` stats."""
         return self.submit(prompt, **sampling).wait()
+
+    def mask(self, request: Request | int, allow: bytes) -> None:
+        """The allowed tokens of a ``constrained`` sequence's next sampling step: one bit per token, 32-bit
+        little-endian words (token 32 w + i is bit i of word w)."""
+        rid = request.id if isinstance(request, Request) else int(request)
+        self._send({"op": "mask", "id": rid, "allow": base64.b64encode(allow).decode("ascii")}, quiet=True)
 
     def cancel(self, request: Request | int) -> None:
         rid = request.id if isinstance(request, Request) else int(request)

@@ -60,11 +60,14 @@ class ToolSection:
 
 @dataclass(frozen=True)
 class OutputSyntax:
-    """A family's output syntax: reasoning markers (empty: none) and its tool-call sections."""
+    """A family's output syntax: reasoning markers (empty: none), its tool-call sections, and optionally
+    ``call_grammar(name, parameters)``: the Lark expression of one call in this syntax, which forced tool calls
+    are constrained to (:mod:`colibri.call_grammar`; None: this family cannot force a call)."""
 
     reasoning_open: str = ""
     reasoning_close: str = ""
     tool_sections: tuple[ToolSection, ...] = ()
+    call_grammar: Callable[[str, Mapping[str, Any]], str] | None = None
 
     @property
     def has_tools(self) -> bool:

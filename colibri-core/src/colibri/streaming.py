@@ -22,11 +22,17 @@ class Reply:
 
 
 def stream_reply(engine: Engine, tok: TextTokenizer, prompt_ids: Sequence[int], *, write: Callable[[str], None],
-                 slot: int = 0, max_tokens: int = 256, stop: Sequence[int] = (), **sampling: Any) -> Reply:
+                 slot: int = 0, max_tokens: int = 256, stop: Sequence[int] = (), constraint: Any = None,
+                 **sampling: Any) -> Reply:
     """Submit, write text as it becomes stable, return the reply. Ctrl-C cancels the request and still waits for
-    the engine's ``done`` (so the slot is free and the stats are real) instead of killing the program."""
+    the engine's ``done`` (so the slot is free and the stats are real) instead of killing the program.
+    ``constraint``: a :class:`colibri.constraints.Constraint` whose mask every sampling step obeys."""
     detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip_special_tokens=True), skip_ids=stop)
+    if constraint is not None:
+        sampling["constrained"] = True
     req = engine.submit(prompt_ids, slot=slot, max_tokens=max_tokens, stop=stop, **sampling)
+    if constraint is not None:
+        engine.mask(req, constraint.mask())
     reply = Reply()
     seen = 0
     while not req.finished:
@@ -34,6 +40,8 @@ def stream_reply(engine: Engine, tok: TextTokenizer, prompt_ids: Sequence[int], 
             # After a cancel the engine still answers promptly; the timeout only guards against a lost event.
             for _ in req.events(timeout=DRAIN_TIMEOUT_S if reply.interrupted else None):
                 while seen < len(req.tokens):
+                    if constraint is not None:
+                        constraint.follow(engine, req, req.tokens[seen], stop)
                     piece = detok.push(req.tokens[seen])
                     seen += 1
                     if piece and not reply.interrupted:

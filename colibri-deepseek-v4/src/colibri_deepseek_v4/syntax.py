@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
+from colibri.call_grammar import json_value, text
 from colibri.output_parser import (
     OutputSyntax, ToolCall, ToolSchemas, ToolSection, consecutive, dump_arguments, json_arguments, repeated,
 )
@@ -58,8 +61,14 @@ def _dsml_calls(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
 
 
 CALLS = repeated("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _one)
+
+
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
+    """A forced call in V3.1's form (name, separator, JSON arguments), which every release's parser reads."""
+    head = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + name + SEP
+    return f"{text(head)} {json_value(parameters)} {text('<｜tool▁call▁end｜><｜tool▁calls▁end｜>')}"
 SYNTAX = OutputSyntax("<think>", "</think>", (
     ToolSection("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", CALLS),
     ToolSection("<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _dsml_calls),
     ToolSection("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _dsml_calls),
-))
+), call_grammar)

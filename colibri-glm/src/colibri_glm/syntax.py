@@ -8,6 +8,10 @@ a value is typed by the tool's schema when it names the argument's type.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from colibri.call_grammar import key_value_arguments, text
 from colibri.output_parser import (
     OutputSyntax, ToolCall, ToolSchemas, ToolSection, argument_value, dump_arguments, pairs,
 )
@@ -25,4 +29,15 @@ def decode_call(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
     return [ToolCall(name, dump_arguments(args))]
 
 
-SYNTAX = OutputSyntax("<think>", "</think>", (ToolSection("<tool_call>", "</tool_call>", decode_call),))
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
+    """A forced call in GLM-4.5's layout (a newline after the name and after each pair)."""
+    def pair(key: str, value: str) -> str:
+        return f"{text('<arg_key>' + key + '</arg_key>' + chr(10) + '<arg_value>')} {value} " \
+               f"{text('</arg_value>' + chr(10))}"
+
+    args = key_value_arguments(parameters, pair)
+    return f"{text('<tool_call>' + name + chr(10))} {args} {text('</tool_call>')}"
+
+
+SYNTAX = OutputSyntax("<think>", "</think>", (ToolSection("<tool_call>", "</tool_call>", decode_call),),
+                      call_grammar)

@@ -9,6 +9,10 @@ returned as the call id unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from colibri.call_grammar import json_value, text
 from colibri.output_parser import OutputSyntax, ToolCall, ToolSection, json_arguments, repeated
 
 ARGUMENT = "<|tool_call_argument_begin|>"
@@ -24,4 +28,12 @@ def _one(piece: str) -> ToolCall | None:
 
 CALLS = repeated("<|tool_call_begin|>", "<|tool_call_end|>", _one)
 SECTION = ToolSection("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", CALLS)
-SYNTAX = OutputSyntax("<think>", "</think>", (SECTION,))
+
+
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
+    """A forced call: one section holding one call, id ``functions.NAME:0``."""
+    head = SECTION.open + "<|tool_call_begin|>" + f"functions.{name}:0" + ARGUMENT
+    return f"{text(head)} {json_value(parameters)} {text('<|tool_call_end|>' + SECTION.close)}"
+
+
+SYNTAX = OutputSyntax("<think>", "</think>", (SECTION,), call_grammar)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
+from colibri.call_grammar import json_value, text
 from colibri.output_parser import (
     OutputSyntax, ToolCall, ToolSchemas, ToolSection, argument_value, consecutive, dump_arguments,
     json_arguments,
@@ -49,4 +52,12 @@ def decode_call(body: str, schemas: ToolSchemas) -> list[ToolCall] | None:
     return None if arguments is None else [ToolCall(call["name"], arguments)]
 
 
-SYNTAX = OutputSyntax("<think>", "</think>", (ToolSection("<tool_call>", "</tool_call>", decode_call),))
+def call_grammar(name: str, parameters: Mapping[str, Any]) -> str:
+    """A forced call in the Hermes form every Qwen3 template reads back."""
+    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    return f"{text('<tool_call>' + chr(10))} {json_value(call)} {text(chr(10) + '</tool_call>')}"
+
+
+SYNTAX = OutputSyntax("<think>", "</think>", (ToolSection("<tool_call>", "</tool_call>", decode_call),),
+                      call_grammar)

@@ -85,6 +85,8 @@ def run_command(
                                          "that has the switch (Qwen3); default: the template's own."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", metavar="FILE", help="Read the prompt from "
                                                "a UTF-8 file (- for stdin)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain the reply to "
+                                               "JSON valid against this JSON schema file (needs llguidance)."),
     as_json: bool = JsonOption,
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
@@ -92,6 +94,7 @@ def run_command(
     from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
     from ..reasoning_view import ReasoningView
+    from ..constraints import ConstraintCompiler, schema_file_grammar
     from ..streaming import stats_line, stream_reply
 
     prompt = _read_prompt(prompt, prompt_file)
@@ -111,11 +114,16 @@ def run_command(
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context
         print_warning(clamp_notice)
 
+    grammar = schema_file_grammar(resolved, built.text, json_schema) if json_schema is not None else None
     out = _Output()
     view = ReasoningView(hooks.parse_output(resolved) if built.mode == "chat" else None, built.text, out.write)
     with launch.start(spec) as engine:
+        constraint = None
+        if grammar is not None:
+            constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
+                                            tok.stop_ids).start(grammar)
         reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
-                             max_tokens=budget, stop=tok.stop_ids, **sampling.as_request())
+                             max_tokens=budget, stop=tok.stop_ids, constraint=constraint, **sampling.as_request())
     if not as_json:
         view.finish()
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}

@@ -18,6 +18,7 @@
 #include "expert_stats.h"
 #include "json.h"
 #include "kernels.h"
+#include "logits_procs.h"
 #include "sampler.h"
 
 /* Prompt tokens per forward pass unless --prefill-chunk says otherwise. Chunking never changes a bit (every block
@@ -27,7 +28,8 @@
 #define MAX_LINE ((size_t)16 << 20)
 #define ERRLEN 512
 
-typedef enum { SEQ_IDLE = 0, SEQ_PREFILL, SEQ_DECODE } seq_phase;
+/* SEQ_AWAIT_MASK: constrained decoding; the step's logits are held until the caller's "mask" arrives. */
+typedef enum { SEQ_IDLE = 0, SEQ_PREFILL, SEQ_DECODE, SEQ_AWAIT_MASK } seq_phase;
 
 typedef struct {
     cb_kv kv;
@@ -44,6 +46,7 @@ typedef struct {
     float *snap;               /* recurrent state checkpoint at the end of the last prefilled prompt */
     int snap_pos;              /* tokens it covers; 0 = none */
     cb_sampler sampler;
+    cb_procs procs;            /* penalties, bias, mask, logprobs (logits_procs.h) */
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
@@ -230,6 +233,7 @@ static void seq_clear(slot_t *s) {
     free(s->stop);
     free(s->forced);
     s->prompt = s->stop = s->forced = NULL;
+    cb_procs_free(&s->procs);
     s->phase = SEQ_IDLE;
 }
 
@@ -280,9 +284,31 @@ static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_log
    token for the next step. A forced token is reported and stop-checked like a sampled one: the caller sees the
    sequence the model was actually fed. */
 static void take_token(engine_t *E, slot_t *s, const float *logits) {
-    int tok = s->generated < s->n_forced ? s->forced[s->generated]
-                                         : cb_sample(&s->sampler, logits, E->info.vocab, E->sample_work);
-    cb_buf_printf(&E->out, "{\"ev\":\"token\",\"id\":%lld,\"tok\":%d}", (long long)s->id, tok);
+    if (cb_procs_waits(&s->procs, logits)) {
+        s->phase = SEQ_AWAIT_MASK;
+        return;
+    }
+    char err[ERRLEN];
+    /* A forced step is sampled too, so the processors' distribution (`dist`) and the RNG advance as in a free run */
+    int tok = cb_procs_sample(&s->procs, &s->sampler, logits, E->sample_work, err, sizeof err);
+    if (tok < 0) {
+        emit_error(E, 1, s->id, "bad_request", err);
+        seq_clear(s);
+        return;
+    }
+    if (s->generated < s->n_forced) tok = s->forced[s->generated];
+    if (s->procs.dist) {
+        cb_buf_printf(&E->out, "{\"ev\":\"dist\",\"id\":%lld,\"step\":%d,\"logits\":\"", (long long)s->id,
+                      s->generated);
+        put_f32_base64(&E->out, logits, E->info.vocab);
+        cb_buf_puts(&E->out, "\",\"probs\":\"");
+        put_f32_base64(&E->out, s->procs.probs, E->info.vocab);
+        cb_buf_puts(&E->out, "\"}");
+        emit(E);
+    }
+    cb_buf_printf(&E->out, "{\"ev\":\"token\",\"id\":%lld,\"tok\":%d", (long long)s->id, tok);
+    cb_procs_put_logprobs(&s->procs, &E->out, logits, tok);
+    cb_buf_puts(&E->out, "}");
     emit(E);
     s->generated++;
     E->generated_total++;
@@ -296,6 +322,7 @@ static void take_token(engine_t *E, slot_t *s, const float *logits) {
         return;
     }
     s->pending = tok;
+    cb_procs_note(&s->procs, s->pending);
     s->phase = SEQ_DECODE;
 }
 
@@ -382,17 +409,7 @@ static int int_field(cb_json *req, const char *key, int required, int64_t def, i
 }
 
 static int num_field(cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err) {
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !(v->num >= lo && v->num <= hi)) {
-        snprintf(err, ERRLEN, "field \"%s\" must be a number in [%g, %g]", key, lo, hi);
-        return -1;
-    }
-    *out = v->num;
-    return 0;
+    return cb_json_num_field(req, key, def, lo, hi, out, err, ERRLEN);
 }
 
 /* An optional array of token ids (each in [0, vocab)); NULL/0 when absent. */
@@ -491,6 +508,14 @@ static void do_submit(engine_t *E, cb_json *req) {
         emit_error(E, 1, id, "bad_request", err);
         return;
     }
+    cb_procs procs;
+    if (cb_procs_parse(&procs, req, E->info.vocab, prompt, n_prompt, err, sizeof err)) {
+        free(prompt);
+        free(stop);
+        free(forced);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
     /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits. */
     int reuse = 0;
     while (reuse < s->n_tokens && reuse < n_prompt - 1 && s->tokens[reuse] == prompt[reuse]) reuse++;
@@ -529,6 +554,8 @@ static void do_submit(engine_t *E, cb_json *req) {
     memset(&s->prefill_prof, 0, sizeof s->prefill_prof);
     s->prefill_forward_s = 0;
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
+    s->procs = procs;
+    s->sampler.min_p = procs.min_p;
     s->phase = SEQ_PREFILL;
     cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
                   (long long)id, (long long)slot_no, n_prompt, reuse);
@@ -600,12 +627,17 @@ static void handle_line(engine_t *E, const char *line, size_t n) {
         } else {
             E->slots[slot_no].n_tokens = 0;
         }
+    } else if (!strcmp(op->str, "mask")) {
+        slot_t *s = has_id ? find_seq(E, id) : NULL;
+        if (!s) emit_error(E, has_id, id, "bad_request", "mask needs the integer \"id\" of a running sequence");
+        else if (cb_procs_set_mask(&s->procs, req, err, sizeof err)) emit_error(E, 1, id, "bad_request", err);
+        else if (s->phase == SEQ_AWAIT_MASK) take_token(E, s, s->procs.held);
     } else if (!strcmp(op->str, "stats")) {
         do_stats(E);
     } else if (!strcmp(op->str, "shutdown")) {
         E->shutdown = 1;
     } else {
-        snprintf(err, ERRLEN, "unknown op \"%.64s\" (submit, cancel, reset, stats, shutdown)", op->str);
+        snprintf(err, ERRLEN, "unknown op \"%.64s\" (submit, mask, cancel, reset, stats, shutdown)", op->str);
         emit_error(E, has_id, id, "bad_request", err);
     }
     cb_json_free(doc);
@@ -876,12 +908,14 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     rc = 0;
     while (!E.shutdown) {
         int active = 0;
-        for (int i = 0; i < E.n_slots; i++) active |= E.slots[i].phase != SEQ_IDLE;
+        /* a sequence held for its mask is not active: the loop blocks on stdin, which brings the mask; at end of
+         * stdin no mask can come, and the held sequences end as cancelled below */
+        for (int i = 0; i < E.n_slots; i++) active |= E.slots[i].phase == SEQ_PREFILL || E.slots[i].phase == SEQ_DECODE;
         if (!active && E.in_eof) break;
         read_input(&E, !active);
         for (int i = 0; i < E.n_slots && !E.shutdown; i++) {
             slot_t *s = &E.slots[i];
-            if (s->phase == SEQ_IDLE) continue;
+            if (s->phase == SEQ_IDLE || s->phase == SEQ_AWAIT_MASK) continue;
             if (step(&E, s, err)) {
                 emit_error(&E, 1, s->id, "internal", err);
                 emit_fatal("internal", err);

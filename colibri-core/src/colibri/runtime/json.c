@@ -431,3 +431,18 @@ void cb_buf_json_str(cb_buf *b, const char *s) {
     }
     cb_buf_put(b, "\"", 1);
 }
+
+int cb_json_num_field(const cb_json *obj, const char *key, double def, double lo, double hi, double *out, char *err,
+                      size_t errlen) {
+    cb_json *v = cb_json_get(obj, key);
+    if (!v || v->type == CB_JNULL) {
+        *out = def;
+        return 0;
+    }
+    if (v->type != CB_JNUM || !(v->num >= lo && v->num <= hi)) {
+        snprintf(err, errlen, "field \"%s\" must be a number in [%g, %g]", key, lo, hi);
+        return -1;
+    }
+    *out = v->num;
+    return 0;
+}

@@ -35,6 +35,9 @@ void cb_json_free(cb_json_doc *doc);
 
 /* Object member by key, NULL when absent or when obj is not an object. */
 cb_json *cb_json_get(const cb_json *obj, const char *key);
+/* An optional number field in [lo, hi] (def when absent or null). 0, or -1 with err naming the field. */
+int cb_json_num_field(const cb_json *obj, const char *key, double def, double lo, double hi, double *out, char *err,
+                      size_t errlen);
 
 /* Growable byte buffer for writing events. Allocation failure sets `failed` and further writes are dropped. */
 typedef struct {

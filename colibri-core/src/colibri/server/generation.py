@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..constraints import ConstraintError
 from ..detok import IncrementalDetokenizer
 from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
@@ -35,6 +36,7 @@ from .engine_host import EngineHost
 from .errors import APIError, bad_request
 from .hangup import HangUpWatch
 from .metrics import Metrics
+from . import logprobs, structured
 from .observe import Profile
 from .prompt_bound import PromptBound
 from .scheduler import Lease, SlotScheduler
@@ -69,6 +71,7 @@ class Codec(Protocol):
 @dataclass
 class Delta:
     text: str
+    logprobs: list[dict[str, Any]] = field(default_factory=list)   # OpenAI chat entries of the tokens it ends
 
 
 @dataclass
@@ -158,6 +161,11 @@ class GenerationRun:
         self._closed = False
         self._next: asyncio.Future | None = None   # the pending read of the next engine event
         self._started_at = time.monotonic()
+        self._grammar: str | None = None            # constrained decoding (response_format, a forced tool call)
+        self._constraint: Any = None
+        self.prompt_logprobs: list[dict[str, Any]] = []   # echo with logprobs: one entry per prompt token
+        self.token_logprobs: list[dict[str, Any]] = []    # logprobs: one entry per generated token
+        self._logprobs_taken = 0
 
     # ---- before commit ---------------------------------------------------------------------------------------
 
@@ -169,6 +177,7 @@ class GenerationRun:
         if spec.prompt_ids is not None:
             if len(spec.prompt_ids) >= self.s.ctx:
                 raise self._too_long(f"{len(spec.prompt_ids)} tokens")
+            self._compile_grammar()
             return
         try:
             self._text = spec.prompt_text if spec.prompt_text is not None else self._render(codec)
@@ -177,11 +186,20 @@ class GenerationRun:
             raise bad_request(exc.one_line(), param=getattr(exc, "option", None) or self._prompt_param(),
                               code="invalid_prompt") from None
         self.prompt_tail = self._text[-256:]
+        self._compile_grammar()
         size = len(self._text.encode("utf-8"))
         at_least = codec.bound.min_tokens(size)
         if at_least >= self.s.ctx:
             raise self._too_long(f"{size} bytes, so at least {at_least} tokens (no token of this model covers more "
                                  f"than {codec.bound.bytes_per_token} bytes)")
+
+    def _compile_grammar(self) -> None:
+        spec = self.spec
+        try:
+            self._grammar = structured.grammar_for(spec, self.s.codec, self.prompt_tail)
+        except ConstraintError as exc:
+            raise bad_request(exc.one_line(), param="response_format" if spec.response_format else "tool_choice",
+                              code="invalid_grammar") from None
 
     def _render(self, codec: Codec) -> str:
         spec = self.spec
@@ -204,6 +222,9 @@ class GenerationRun:
         vocab = getattr(codec, "vocab_size", 0)
         if vocab and any(t >= vocab for t in self.prompt_ids):
             raise bad_request(f"'prompt' holds a token id past the vocabulary ({vocab})", param="prompt",
+                              code="invalid_value")
+        if vocab and any(t >= vocab for t in spec.logit_bias):
+            raise bad_request(f"'logit_bias' holds a token id past the vocabulary ({vocab})", param="logit_bias",
                               code="invalid_value")
         if not self.prompt_ids:
             raise bad_request("the prompt is empty after tokenization", param=self._prompt_param())
@@ -246,9 +267,17 @@ class GenerationRun:
             if self.hangup.hung_up:    # no await from here to the submit: a later hang-up finds the request
                 raise self._gone_before_submit()
             try:
+                if self._grammar is not None:
+                    self._constraint = structured.start(self._grammar, self.s.codec, self._engine)
+                if self.spec.echo and self.spec.logprobs is not None:
+                    self._engine.reset(self._lease.slot)   # every prompt position's logits, none reused
                 self._request = self._engine.submit(
                     self.prompt_ids, slot=self._lease.slot, max_tokens=self.max_tokens, **self.sampling(),
-                    stop=list(self.s.codec.stop_ids))
+                    stop=list(self.s.codec.stop_ids), **self.processors())
+                if self._constraint is not None:
+                    self._engine.mask(self._request, self._constraint.mask())
+            except ConstraintError as exc:
+                raise bad_request(exc.one_line(), param="response_format", code="invalid_grammar") from None
             except EngineError as exc:
                 self.s.host.report_death(self._engine, exc)
                 raise APIError(503, f"engine unavailable: {exc.one_line()}", code="engine_unavailable",
@@ -304,6 +333,23 @@ class GenerationRun:
         seed = spec.seed if spec.seed is not None else random.getrandbits(63)
         return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed & (2**63 - 1)}
 
+    def processors(self) -> dict[str, Any]:
+        """The submit's logits processors and reports (docs/protocol.md); a default leaves its field out."""
+        spec, base = self.spec, self.s.default_sampling
+        min_p = spec.min_p if spec.min_p is not None else base.get("min_p")
+        repetition = spec.repetition_penalty if spec.repetition_penalty is not None else \
+            base.get("repetition_penalty")
+        out: dict[str, Any] = {
+            "min_p": float(min_p) if min_p else None,
+            "repetition_penalty": float(repetition) if repetition not in (None, 1, 1.0) else None,
+            "presence_penalty": spec.presence_penalty or None, "frequency_penalty": spec.frequency_penalty or None,
+            "logit_bias": [[t, b] for t, b in sorted(spec.logit_bias.items())] or None,
+            "logprobs": spec.logprobs, "constrained": True if self._grammar is not None else None,
+        }
+        if spec.echo and spec.logprobs is not None:
+            out["logits"] = "f32"
+        return out
+
     def _pump(self, loop: asyncio.AbstractEventLoop, request: Any, lease: Lease) -> None:
         """Thread: move the engine's events onto the loop; release the slot once the engine is done with it."""
         put = self._events.put_nowait
@@ -312,6 +358,14 @@ class GenerationRun:
             for event in request:
                 if event.get("ev") == "token":
                     clock.token()
+                    if self._constraint is not None:
+                        structured.next_mask(self._constraint, self._engine, request, int(event["tok"]),
+                                             self.s.codec.stop_ids)
+                elif event.get("ev") == "logits":
+                    request.logits.clear()   # turned into this prompt's log-probabilities as it arrives
+                    self.prompt_logprobs += logprobs.prompt_logprobs(event, self.prompt_ids, self.spec.logprobs,
+                                                                       self.s.codec)
+                    continue
                 elif event.get("ev") == "done":
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
                     loop.call_soon_threadsafe(self.s.profile.record, event, self.route, lease.slot, self.spec.user)
@@ -371,8 +425,10 @@ class GenerationRun:
                 generated += 1
                 note(completion_tokens=generated)
                 text = stops.feed(decoder.push(int(payload["tok"])))
-                if text:
-                    yield Delta(text)
+                entries = [logprobs.token_logprob(payload, self.s.codec)] if "logprob" in payload else []
+                self.token_logprobs += entries
+                if text or entries:
+                    yield Delta(text, entries)
                 if stops.matched is not None:
                     self.abort()
                     self._finished = True
@@ -409,6 +465,13 @@ class GenerationRun:
             return None
         read, self._next = self._next, None
         return read.result()
+
+    def take_logprobs(self) -> list[dict[str, Any]]:
+        """The log-probability entries of the tokens streamed since the last call (a streamed chunk carries
+        those of the tokens that arrived before it)."""
+        new = self.token_logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.token_logprobs)
+        return new
 
     def abort(self) -> None:
         """Cancel the sequence in the engine if it is still running (client gone, stop sequence seen)."""

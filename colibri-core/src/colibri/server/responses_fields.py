@@ -53,7 +53,7 @@ def parse_responses(data: dict[str, Any], default_model: str, kv_slots: int, too
     _text_options(data.get("text"))
     if tools_supported:
         spec.tools = tool_fields.openai_tools({"tools": _tools(data.get("tools"))})
-        spec.tool_choice = _tool_choice(data.get("tool_choice"))
+        spec.tool_choice = _tool_choice(data.get("tool_choice"), spec.tools)
     else:
         _refuse_if_set(fields, "tools", "this model's family has no tool-call support")
         _refuse_if_set(fields, "tool_choice", "this model's family has no tool-call support", allowed=("none",))
@@ -166,7 +166,13 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(value: Any) -> str:
-    if isinstance(value, dict) and value.get("type") in ("function", "allowed_tools"):
-        return tool_fields.openai_tool_choice({"tool_choice": {"type": "function", **value}})
-    return tool_fields.openai_tool_choice({"tool_choice": value})
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str:
+    """The Responses API's ``tool_choice``: a named function is ``{"type": "function", "name": ...}`` there."""
+    if isinstance(value, dict) and value.get("type") == "function":
+        return tool_fields.openai_tool_choice({"tool_choice": {"type": "function",
+                                                              "function": {"name": value.get("name")}}}, tools)
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        raise bad_request("'tool_choice' of type 'allowed_tools' is not supported; send 'auto', 'none', 'required' "
+                          "or {\"type\": \"function\", \"name\": ...}", param="tool_choice",
+                          code="unsupported_parameter")
+    return tool_fields.openai_tool_choice({"tool_choice": value}, tools)

@@ -2,8 +2,9 @@
 results, ``reasoning_content``, ``chat_template_kwargs`` (OpenAI) and ``tool_use``/``tool_result``/``thinking``
 blocks (Anthropic), checked and turned into the OpenAI-shaped messages the ``render_prompt`` hook renders.
 
-``tool_choice`` values that force a call (``required``, a named function; Anthropic's ``any``/``tool``) need
-constrained decoding, which the server does not have yet: they are refused with a 400 naming the field.
+``tool_choice`` values that force a call (``required``, a named function; Anthropic's ``any``/``tool``) become
+``"required"`` or ``"function:NAME"``: the reply is then constrained to one well-formed call in the family's
+syntax (:mod:`colibri.call_grammar`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from typing import Any
 from .errors import bad_request
 from .validation import _json_type, check_text
 
-FORCING_REFUSAL = ("forcing a tool call needs constrained decoding, which this server does not have yet; use "
-                   "'auto' (the model decides) or 'none'")
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -85,15 +84,30 @@ def text_field(value: Any, where: str) -> str:
     return value
 
 
-def openai_tool_choice(data: dict[str, Any]) -> str:
+def openai_tool_choice(data: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
     choice = data.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return choice or "auto"
-    if choice == "required" or isinstance(choice, dict):
-        raise bad_request(f"'tool_choice' {json.dumps(choice)} is not supported: {FORCING_REFUSAL}",
-                          param="tool_choice", code="unsupported_parameter")
-    raise bad_request(f"'tool_choice' is {choice!r}; use 'auto' or 'none'", param="tool_choice",
+    if choice == "required":
+        return _forced("required", tools, "tool_choice")
+    if isinstance(choice, dict):
+        function = _object(choice.get("function"), "tool_choice.function")
+        return _forced("function:" + _name(function.get("name"), "tool_choice.function.name"), tools,
+                       "tool_choice.function.name")
+    raise bad_request(f"'tool_choice' is {choice!r}; use 'auto', 'none', 'required' or "
+                      f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param="tool_choice",
                       code="invalid_value")
+
+
+def _forced(choice: str, tools: list[dict[str, Any]] | None, where: str) -> str:
+    """A forcing choice, checked against the listed tools."""
+    names = [t["function"]["name"] for t in tools or []]
+    if not names:
+        raise bad_request(f"'{where}' forces a tool call but 'tools' is empty", param=where, code="invalid_value")
+    if choice.startswith("function:") and choice[len("function:"):] not in names:
+        raise bad_request(f"'{where}' names {choice[len('function:'):]!r}, which is not in 'tools' "
+                          f"({', '.join(names)})", param=where, code="invalid_value")
+    return choice
 
 
 def openai_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -163,17 +177,19 @@ def anthropic_tools(data: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def anthropic_tool_choice(data: dict[str, Any]) -> str:
+def anthropic_tool_choice(data: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
     choice = data.get("tool_choice")
     if choice is None:
         return "auto"
     kind = _object(choice, "tool_choice").get("type")
     if kind in ("auto", "none"):
         return kind
-    if kind in ("any", "tool"):
-        raise bad_request(f"'tool_choice' of type {kind!r} is not supported: {FORCING_REFUSAL}",
-                          param="tool_choice")
-    raise bad_request(f"'tool_choice.type' is {kind!r}; use 'auto' or 'none'", param="tool_choice.type")
+    if kind == "any":
+        return _forced("required", tools, "tool_choice")
+    if kind == "tool":
+        return _forced("function:" + _name(choice.get("name"), "tool_choice.name"), tools, "tool_choice.name")
+    raise bad_request(f"'tool_choice.type' is {kind!r}; use 'auto', 'any', 'tool' or 'none'",
+                      param="tool_choice.type")
 
 
 def anthropic_thinking(data: dict[str, Any], thinking_switch: str | None, max_tokens: int | None = None

@@ -2,8 +2,8 @@
 
 Every refusal is a 400 that names the offending field (``param``), in the path notation OpenAI uses
 (``messages[1].content``). Fields that would change the result and that we cannot honour (``n > 1``,
-``logit_bias``, tools, penalties, ...) are refused rather than silently ignored; fields that only label a
-request (``user``, ``metadata``, ``store``) are accepted.
+``suffix``, audio, ...) are refused rather than silently ignored; fields that only label a request (``user``,
+``metadata``, ``store``) are accepted.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 
 from ..prompt import MAX_TEMPERATURE
 from .errors import bad_request
+from .sampling_fields import chat_logprobs, completion_logprobs, response_format, sampler_fields
 
 MAX_STOP_SEQUENCES = 16
+MAX_PROMPT_BATCH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -42,10 +44,19 @@ class GenerationSpec:
     user: str | None = None
     cache_slot: int | None = None
     tools: list[dict[str, Any]] | None = None      # OpenAI-shaped function tools, for the template and the parser
-    tool_choice: str = "auto"                      # "auto" or "none" (forcing a call is refused)
+    tool_choice: str = "auto"                      # "auto", "none", "required" or "function:NAME"
     parallel_tool_calls: bool = True               # False: only the first call of a reply is returned
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # the template's own variables (thinking)
     continue_final: bool = False                   # the last message is an assistant prefill the reply continues
+    min_p: float | None = None                     # None: the checkpoint's default, else off
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None                    # None: none; else top log-probabilities per token (0-20)
+    echo: bool = False                             # completions: the prompt (and its log-probabilities) first
+    response_format: dict[str, Any] | None = None  # json_object / json_schema: constrained decoding
+    prompt_batch: list[Any] | None = None          # completions: more than one prompt (strings or id lists)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -258,14 +269,7 @@ def _openai_common(fields: _Fields, spec: GenerationSpec, kv_slots: int) -> None
             raise bad_request("'stream_options.include_usage' must be a boolean",
                               param="stream_options.include_usage", code="invalid_type")
         spec.include_usage = bool(include)
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = fields.number(name, 0.0, -2.0, 2.0)
-        if value != 0.0:
-            raise bad_request(f"'{name}' is not supported by this server (the engine samples without "
-                              f"penalties); remove it or set it to 0", param=name, code="unsupported_parameter")
-    _refuse_if_set(fields, "logit_bias", "the engine cannot bias logits")
-    _refuse_if_set(fields, "logprobs", "the engine does not return log-probabilities", allowed=(False,))
-    _refuse_if_set(fields, "top_logprobs", "the engine does not return log-probabilities", allowed=(0,))
+    sampler_fields(fields, spec)
 
 
 def _chat_message(message: Any, where: str, tools_supported: bool) -> dict[str, Any]:
@@ -323,6 +327,7 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
     for i, message in enumerate(messages):
         spec.messages.append(_chat_message(message, f"messages[{i}]", tools_supported))
     _openai_common(fields, spec, kv_slots)
+    chat_logprobs(fields, spec)
     limit = fields.integer("max_completion_tokens", low=1)
     if limit is None:
         limit = fields.integer("max_tokens", low=1)
@@ -336,16 +341,16 @@ def parse_chat(data: dict[str, Any], default_model: str, kv_slots: int, tools_su
     else:
         _refuse_if_set(fields, "functions", "the deprecated form of 'tools'; send 'tools'")
         spec.tools = tool_fields.openai_tools(data)
-        spec.tool_choice = tool_fields.openai_tool_choice(data)
+        spec.tool_choice = tool_fields.openai_tool_choice(data, spec.tools)
     spec.parallel_tool_calls = fields.boolean("parallel_tool_calls", True)
     spec.template_kwargs = tool_fields.template_kwargs(data, thinking_switch)
     if data.get("reasoning_effort") is not None:
         spec.template_kwargs.update(tool_fields.effort_kwargs(data["reasoning_effort"], "reasoning_effort",
                                                               thinking_switch, effort_variable))
-    fmt = data.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported (no constrained "
-                          "decoding); remove it", param="response_format", code="unsupported_parameter")
+    spec.response_format = response_format(data.get("response_format"))
+    if spec.response_format is not None and spec.tool_choice not in ("auto", "none") and spec.tools:
+        raise bad_request("'response_format' and a forced 'tool_choice' both constrain the reply; send one",
+                          param="response_format", code="invalid_value")
     _refuse_if_set(fields, "audio", "the model produces text only")
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
@@ -360,32 +365,42 @@ def parse_completion(data: dict[str, Any], default_model: str, kv_slots: int) ->
     prompt = data.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        check_text(prompt, "prompt")
-        if not prompt:
-            raise bad_request("'prompt' is empty", param="prompt", code="invalid_value")
-        spec.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise bad_request("'prompt' holds a negative token id", param="prompt", code="invalid_value")
-        spec.prompt_ids = list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPT_BATCH:
+            raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPT_BATCH} are allowed",
+                              param="prompt", code="invalid_value")
+        items = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        raise bad_request("'prompt' must be a string, an array of token ids, or an array holding one of those "
-                          "(one prompt per request)", param="prompt", code="invalid_type")
+        items = [_one_prompt(prompt, "prompt")]
+    spec.prompt_text, spec.prompt_ids = items[0]
+    if len(items) > 1:
+        spec.prompt_batch = items
     _openai_common(fields, spec, kv_slots)
     spec.max_tokens = fields.integer("max_tokens", low=1)
     if spec.max_tokens is None and "max_tokens" not in data:
         spec.max_tokens = 16  # OpenAI's documented default for this endpoint
-    _refuse_if_set(fields, "echo", "the prompt is not echoed back", allowed=(False,))
+    completion_logprobs(fields, spec)
     _refuse_if_set(fields, "suffix", "the engine does not fill in the middle")
     best_of = fields.integer("best_of", low=1)
     if best_of is not None and best_of != 1:
         raise bad_request(f"'best_of' is {best_of}; only 1 is supported", param="best_of",
                           code="unsupported_parameter")
     return spec
+
+
+def _one_prompt(prompt: Any, where: str) -> tuple[str | None, list[int] | None]:
+    """One completion prompt: (text, None) or (None, token ids)."""
+    if isinstance(prompt, str):
+        check_text(prompt, where)
+        if not prompt:
+            raise bad_request(f"'{where}' is empty", param=where, code="invalid_value")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad_request(f"'{where}' holds a negative token id", param=where, code="invalid_value")
+        return None, list(prompt)
+    raise bad_request(f"'{where}' must be a string, an array of token ids, or an array of those (a batch)",
+                      param=where, code="invalid_type")
 
 
 def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tools_supported: bool = False,
@@ -452,7 +467,7 @@ def parse_messages(data: dict[str, Any], default_model: str, kv_slots: int, tool
         _refuse_if_set(fields, "tool_choice", "this model's family has no tool-use support")
     else:
         spec.tools = tool_fields.anthropic_tools(data)
-        spec.tool_choice = tool_fields.anthropic_tool_choice(data)
+        spec.tool_choice = tool_fields.anthropic_tool_choice(data, spec.tools)
         choice = data.get("tool_choice")
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
             spec.parallel_tool_calls = False
