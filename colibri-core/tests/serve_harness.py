@@ -106,7 +106,7 @@ class RunningServer:
         assert engine is not None, "no engine running"
         return engine.proc.pid
 
-    def wait_healthy(self, timeout: float = 30.0) -> None:
+    def wait_healthy(self, timeout: float = 180.0) -> None:   # the first use builds the engine (slow on a busy machine)
         import httpx
 
         deadline = time.monotonic() + timeout
