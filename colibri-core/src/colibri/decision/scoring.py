@@ -23,6 +23,8 @@ class Decision:
     input_tokens: int = 0          # prompt tokens of every prompt (what transformers counts)
     prefilled_tokens: int = 0      # of them, computed by the engine
     cached_tokens: int = 0         # of them, reused from the slot's KV
+    shared_tokens: int = 0         # leading tokens every prompt of this state shares (where each is pinned)
+    reused: list[int] = field(default_factory=list)   # tokens each prompt reused from the slot
     prompts: list[DecisionPrompt] = field(default_factory=list)
 
 
@@ -48,13 +50,14 @@ def decide(engine: Any, tok: TextTokenizer, settings: DecisionSettings, state: A
     if ctx is not None:
         check_context(prompts, ctx)
     pin = shared_state_tokens(tok, settings, state, prompts)
-    decision = Decision({}, prompts=prompts)
+    decision = Decision({}, shared_tokens=pin, prompts=prompts)
     for prompt in prompts:
         result = engine.decide(prompt.ids, prompt.marks, prompt.options, slot=slot, pin=pin).wait()
         decision.answers.update(answer_all(settings, prompt.questions, result.scores))
         decision.input_tokens += len(prompt.ids)
         decision.prefilled_tokens += int(result.stats.get("prefilled_tokens", 0))
-        decision.cached_tokens += int(result.accept.get("reused_tokens", 0))
+        decision.reused.append(int(result.accept.get("reused_tokens", 0)))
+        decision.cached_tokens += decision.reused[-1]
     # answers in the request's order, whatever order the prompts ran in
     decision.answers = {q.name: decision.answers[q.name] for q in parsed}
     return decision
