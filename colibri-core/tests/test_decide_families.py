@@ -32,7 +32,15 @@ FAMILIES = {
     "olmoe": "colibri_olmoe", "qwen2_moe": "colibri_qwen", "qwen3_moe": "colibri_qwen",
     "qwen3_next": "colibri_qwen", "qwen3_5_moe_text": "colibri_qwen", "glm4_moe": "colibri_glm",
     "glm4_moe_lite": "colibri_glm", "deepseek_v3": "colibri_deepseek_v4", "kimi_k2": "colibri_kimi",
-    "kimi_linear": "colibri_kimi",
+    "kimi_linear": "colibri_kimi", "deepseek_v4": "colibri_deepseek_v4", "deepseek_v32": "colibri_deepseek_v4",
+    "glm_moe_dsa": "colibri_glm", "qwen3_5_moe": "colibri_qwen",
+}
+# Sparse-attention recipes as their engine tests build them: 8 indexer heads (with the recipe's 2, keys often tie
+# and torch breaks top-k ties in an unspecified order), index_topk well below the prompts' length.
+OVERRIDES = {
+    "deepseek_v32": dict(index_topk=8, index_n_heads=8), "glm_moe_dsa": dict(index_topk=8, index_n_heads=8),
+    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                        index_n_heads=8),
 }
 # transformers has no class of its own for these: the architecture they are (as the families' engine tests load them)
 REFERENCE_TYPE = {"kimi_k2": "deepseek_v3"}
@@ -55,7 +63,8 @@ def family(request, tmp_path_factory):
     pytest.importorskip(FAMILIES[request.param])
     from colibri.testing.tiny import tiny_model
 
-    path = tiny_model(request.param, tmp_path_factory.mktemp(f"decide-{request.param}")).path
+    path = tiny_model(request.param, tmp_path_factory.mktemp(f"decide-{request.param}"),
+                      **OVERRIDES.get(request.param, {})).path
     (path / "decision.json").write_text(json.dumps(SETTINGS))
     model = load_reference(path)
     pipe = transformers.pipeline("decision", model=model, tokenizer=transformers.AutoTokenizer.from_pretrained(path))

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_routes, openai_routes
+from . import anthropic_routes, openai_routes, systemone
 from .access_log import AccessLog, note
 from .auth import check_key
 from .config import ServerConfig
@@ -204,6 +204,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/v1/chat/completions", _endpoint("chat", openai_routes.chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", openai_routes.completions), methods=["POST"]),
         Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
+        Route("/v1/systemone", _endpoint("systemone", systemone.systemone), methods=["POST"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -213,7 +214,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                              code="method_not_allowed")
         elif exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-                                  f"/v1/completions, /v1/messages, /health, /metrics", code="not_found")
+                                  f"/v1/completions, /v1/messages, /v1/systemone, /health, /metrics", code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), code="http_error")
         return error_response(error, request.url.path)
