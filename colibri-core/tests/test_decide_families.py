@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import httpx  # noqa: E402
+
 from colibri import hooks, launch  # noqa: E402
-from colibri.decision import decide, load_settings  # noqa: E402
+from colibri.decision import check_state, load_settings, parse_questions  # noqa: E402
+from colibri.decision.prompts import build_prompts, shared_state_tokens  # noqa: E402
+from colibri.server.codec import TokenizerCodec  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
 from colibri.testing.parity import CACHE_SIZES  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+from serve_harness import start_server  # noqa: E402
 
 TOL = 1e-4
 CTX = 512
@@ -95,18 +103,42 @@ def assert_close(got, want, where=""):
         assert got == want, where
 
 
+def shared_tokens(tok, settings, state) -> tuple[int, int]:
+    """(prompts, leading tokens they share) of a request about ``state``: what a pinned slot reuses."""
+    prompts = build_prompts(tok, settings, check_state(state), parse_questions(QUESTIONS, settings.labels))
+    return len(prompts), shared_state_tokens(tok, settings, state, prompts)
+
+
 @pytest.mark.parametrize("cap", CACHE_SIZES)
-def test_answers_match_transformers_at_every_cache_size(family, cap):
+def test_systemone_matches_transformers_at_every_cache_size(family, cap):
     resolved, tok, settings, references = family
-    with launch.open_engine(resolved, ctx=CTX, cap=cap, threads=2) as engine:
+
+    def start_engine():
+        engine = launch.open_engine(resolved, ctx=CTX, slots=2, cap=cap, threads=2)
         assert engine.ready["abilities"] == ["chat", "decide"]
+        return engine
+
+    server = start_server(resolved.path, ctx=CTX, slots=2, factory=start_engine,
+                          codec=TokenizerCodec(tok, model=resolved))
+    try:
         for name, state in STATES.items():
-            first = decide(engine, tok, settings, state, QUESTIONS, ctx=CTX)
-            assert_close(first.answers, references[name], name)
-            # the same state again on the slot: only the questions are prefilled, and nothing changes
-            again = decide(engine, tok, settings, state, QUESTIONS, ctx=CTX)
-            assert again.answers == first.answers
-            assert first.shared_tokens > 0 and all(r >= first.shared_tokens for r in first.reused[1:])
-            assert again.shared_tokens == first.shared_tokens
-            assert all(r >= again.shared_tokens for r in again.reused)
-            assert again.prefilled_tokens == again.input_tokens - again.cached_tokens
+            body = {"state": state, "questions": QUESTIONS}
+            first = httpx.post(server.url + "/v1/systemone", json=body, timeout=120)
+            assert first.status_code == 200, first.text
+            assert_close(first.json()["answers"], references[name], name)
+            assert list(first.json()["answers"]) == list(QUESTIONS)
+            # the same state again lands on its slot: only the questions are prefilled, and nothing changes
+            again = httpx.post(server.url + "/v1/systemone", json=body, timeout=120).json()
+            assert again["answers"] == first.json()["answers"]
+            n, shared = shared_tokens(tok, settings, state)
+            usage, usage_again = first.json()["usage"], again["usage"]
+            assert shared > 0 and usage["cached_tokens"] >= (n - 1) * shared
+            assert usage_again["cached_tokens"] >= n * shared
+            assert usage_again["prefilled_tokens"] == usage_again["input_tokens"] - usage_again["cached_tokens"]
+            assert usage_again["prefilled_tokens"] <= usage["input_tokens"] - n * shared
+        # a state that tokenizes past the context (the byte bound alone cannot tell)
+        long_state = " ".join(f"w{i}" for i in range(400))
+        refused = httpx.post(server.url + "/v1/systemone", json={"state": long_state, "questions": QUESTIONS})
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == "state"
+    finally:
+        server.stop()

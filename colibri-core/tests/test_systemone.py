@@ -56,7 +56,7 @@ def many(n):
     ({"state": "x", "questions": {"q": {"type": "noul", "color": "red"}}}, "questions.q.color", "unknown field"),
     ({"state": "x", "questions": {"q": {"type": "noul", "instructions": 3}}}, "questions.q.instructions", "string"),
     ({"state": "x", "questions": {"q": "Is it?"}}, "questions.q", "object"),
-    ({"state": "x", "questions": {"q": {"type": "choice", "criteria": {c: None for c in "abcdefghijklmnopqrstuvwxyz!"}}}},
+    ({"state": "x", "questions": {"q": {"type": "choice", "criteria": dict.fromkeys("abcdefghijklmnopqrstuvwxyz!")}}},
      "questions.q.criteria", "at most 26"),
     ({"questions": GOOD}, "state", "required"),
     ({"state": 3, "questions": GOOD}, "state", "string, an object"),

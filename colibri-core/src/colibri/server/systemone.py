@@ -36,7 +36,7 @@ FIELDS = ("model", "state", "questions", "normalize", "cache_slot", "assets")
 class SystemOneSpec:
     model: str
     state: Any
-    questions: dict[str, Any]
+    questions: Any                 # checked by parse_questions (its 422s name the question and field)
     cache_slot: int | None = None
 
 
