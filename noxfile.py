@@ -20,6 +20,7 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors", "pytest", "hatchling", "editables",
                      "nox",         # the layout test checks `nox -l`
+                     "laya==0.4.15",  # its own classes build the tiny Laya checkpoint (colibri-decision tests)
                      "hypothesis")  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
