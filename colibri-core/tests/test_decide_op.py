@@ -11,10 +11,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from colibri import launch  # noqa: E402
-from colibri.engine import EngineRequestError, Request  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.parity import seeded_prompt  # noqa: E402
+from colibri import launch
+from colibri.engine import EngineRequestError, Request
+from colibri.model import resolve_model
+from colibri.testing.parity import seeded_prompt
 
 PROMPT = seeded_prompt(3, length=70)          # more than two prefill chunks of 32
 MARKS = [5, 33, 70, 64]                       # unsorted, one at the chunk edge, one at the end

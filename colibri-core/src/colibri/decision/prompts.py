@@ -12,6 +12,7 @@ ids, as transformers' ``read_marks`` drops them.
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 from .. import chat_template as ct
 from ..errors import ConfigError, UsageError
 from ..tokenizer import TextTokenizer
+from . import sanitize
 from .questions import DecisionInputError, Question
 from .settings import DecisionSettings
 
@@ -96,29 +98,80 @@ def _template_variables(source: str) -> set[str]:
             from None
 
 
-def _encode_marked(tok: TextTokenizer, text: str) -> tuple[list[int], list[int]]:
-    """Ids of text with the sentinels dropped, and the token count before each ``<|mark|>``."""
+MARK_ID, SPLIT_ID = -1, -2     # the sentinels' places among the ids until they are dropped
+
+
+def _encode_with_sentinels(tok: TextTokenizer, text: str) -> list[int]:
+    """Ids of text, the sentinels split out as added tokens are (``MARK_ID`` / ``SPLIT_ID`` in their place)."""
     ids: list[int] = []
+    for piece in re.split(f"({re.escape(MARK)}|{re.escape(SPLIT)})", text):
+        if piece == MARK:
+            ids.append(MARK_ID)
+        elif piece == SPLIT:
+            ids.append(SPLIT_ID)
+        elif piece:
+            ids += tok.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _read_marks(ids: list[int]) -> tuple[list[int], list[int]]:
+    """The ids without sentinels, and the token count before each ``<|mark|>`` (transformers' ``read_marks``)."""
+    kept: list[int] = []
     marks: list[int] = []
-    for i, marked_piece in enumerate(text.split(MARK)):
-        if i:
-            marks.append(len(ids))
-        for piece in marked_piece.split(SPLIT):
-            if piece:
-                ids += tok.encode(piece, add_special_tokens=False)
-    return ids, marks
+    for i in ids:
+        if i == MARK_ID:
+            marks.append(len(kept))
+        elif i != SPLIT_ID:
+            kept.append(i)
+    return kept, marks
+
+
+def _template_source(tok: TextTokenizer, settings: DecisionSettings) -> str:
+    if settings.template is not None:
+        return settings.template
+    chosen = ct.select_template(tok.templates, None, with_tools=False)
+    return chosen.source if chosen is not None else ""
+
+
+def _encode_marked(tok: TextTokenizer, settings: DecisionSettings, text: str) -> tuple[list[int], list[int]]:
+    """The rendered prompt's ids and marks; with sanitizing, control tokens the request spelled are text."""
+    def encode(piece: str) -> list[int]:
+        return _encode_with_sentinels(tok, piece)
+
+    if not settings.sanitize:
+        return _read_marks(encode(text))
+    tokens = sanitize.control_tokens(tok, _template_source(tok, settings))
+    return _read_marks(sanitize.encode_marked(tok, text, tokens, encode))
+
+
+def _user(tok: TextTokenizer, settings: DecisionSettings, value: Any) -> Any:
+    """What the request wrote, as the template gets it: control tokens marked (or, unsanitized, sentinels cut)."""
+    if not settings.sanitize:
+        return _strip_sentinels(value)
+    return sanitize.mark(value, sanitize.control_tokens(tok, _template_source(tok, settings)))
+
+
+def _strip_sentinels(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace(MARK, "").replace(SPLIT, "")
+    if isinstance(value, dict):
+        return {k: _strip_sentinels(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_sentinels(v) for v in value]
+    return value
 
 
 def _render(tok: TextTokenizer, settings: DecisionSettings, state: Any, group: list[Question]) -> str:
     if settings.template is None:
-        return tok.render_chat([{"role": "user", "content": generic_text(state, group[0])}],
-                               add_generation_prompt=True, enable_thinking=False)
+        content = _user(tok, settings, generic_text(state, group[0]))
+        return tok.render_chat([{"role": "user", "content": content}], add_generation_prompt=True,
+                               enable_thinking=False)
     wanted = _template_variables(settings.template)
     inputs = {"state": state, "question": group[0].template_view(), "questions": [q.template_view() for q in group]}
     template = ct.ChatTemplate(settings.template, "decision_template.jinja")
     return ct.render(template, [{"role": "user", "content": ""}], special_tokens=tok.special_tokens,
                      add_generation_prompt=True, enable_thinking=False,
-                     **{k: v for k, v in inputs.items() if k in wanted})
+                     **_user(tok, settings, {k: v for k, v in inputs.items() if k in wanted}))
 
 
 def groups_of(settings: DecisionSettings, questions: list[Question]) -> list[list[Question]]:
@@ -136,7 +189,7 @@ def build_prompts(tok: TextTokenizer, settings: DecisionSettings, state: Any,
     labels: dict[tuple[str, ...], list[int]] = {}
     prompts = []
     for group in groups_of(settings, questions):
-        ids, marks = _encode_marked(tok, _render(tok, settings, state, group))
+        ids, marks = _encode_marked(tok, settings, _render(tok, settings, state, group))
         if not marks:
             marks = [len(ids)]   # read after the generation prompt
         if len(marks) != len(group):
@@ -159,7 +212,7 @@ def shared_state_tokens(tok: TextTokenizer, settings: DecisionSettings, state: A
     first position a prompt reads."""
     ids = [p.ids for p in prompts]
     group = [PROBE] * len(prompts[0].questions)
-    ids.append(_encode_marked(tok, _render(tok, settings, state, group))[0])
+    ids.append(_encode_marked(tok, settings, _render(tok, settings, state, group))[0])
     n = min(len(x) for x in ids)
     shared = 0
     while shared < n and all(x[shared] == ids[0][shared] for x in ids):

@@ -21,6 +21,7 @@ class DecisionSettings:
     temperature: dict[str, float] = field(default_factory=dict)       # divides the option scores, per type
     template: str | None = None                                       # None: the generic prompt in the chat template
     noul_options: tuple[str, ...] = ("true", "false")                 # the order a noul's options are printed in
+    sanitize: bool = True                                             # control tokens in the request are text
 
     def temperature_of(self, kind: str) -> float:
         return float(self.temperature.get(kind, 1.0))
@@ -65,4 +66,5 @@ def load_settings(model_dir: Path) -> DecisionSettings:
         template = raw["chat_template"]
     return DecisionSettings(labels=_labels(raw.get("labels", {}), str(path)),
                             temperature=_temperatures(raw.get("temperature", {}), str(path)),
-                            template=template, noul_options=tuple(noul))
+                            template=template, noul_options=tuple(noul),
+                            sanitize=bool(raw.get("sanitize_control_tokens", True)))
