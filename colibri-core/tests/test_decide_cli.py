@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("colibri_olmoe")
 
 COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]
-QUESTIONS = ["spam:noul:Is this spam?", "tone:choice:What is the tone?:calm,pushy", "urgency:score:How urgent?:low,high"]
+QUESTIONS = ["spam:noul:Is this spam?", "tone:choice:What is the tone?:calm,pushy",
+             "urgency:score:How urgent?:low,high"]
 
 
 @pytest.fixture(scope="module")
