@@ -7,10 +7,8 @@
 #include <string.h>
 
 void cb_decide_free(cb_decide *d) {
-    free(d->rows);
-    free(d->first_option);
-    free(d->options);
-    free(d->scores);
+    void *owned[] = {d->rows, d->first_option, d->options, d->scores};
+    for (size_t i = 0; i < sizeof owned / sizeof *owned; i++) free(owned[i]);
     memset(d, 0, sizeof *d);
 }
 
