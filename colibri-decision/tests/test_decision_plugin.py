@@ -78,3 +78,29 @@ def test_missing_or_unknown_encoder(tmp_path):
 def test_limits(tmp_path):
     lim = plugin.limits(model=resolved(tmp_path, "decision", GLINER2_BASE))
     assert lim.max_context == 512 and (lim.has_engine or lim.reason_no_engine == "no engine for decision yet")
+
+
+def test_laya_is_claimed_by_its_marker_file(tiny_root):
+    pytest.importorskip("laya.common")
+    built = tiny_model("laya", tiny_root)
+    plugins.reset()
+    model = resolve_model(built.path)   # no config.json at its root: rl_agent_config.json is the marker
+    assert (model.family, model.model_type) == ("decision", "laya")
+    geo = plugin.model_geometry(model=model)
+    assert (geo.num_layers, geo.hidden_size, geo.vocab_size, geo.max_context) == (2, 64, 512, 128)
+    assert geo.architecture.startswith("Laya (modernbert")
+    layout = plugin.tensor_layout(model=model)
+    check_layout_against_checkpoint(layout, built.path, built.num_parameters)
+    assert layout.embeddings == ("encoder.embeddings.tok_embeddings.weight",)
+    assert any(name.startswith("scorer.") for name in layout.required)
+    assert not plugin.limits(model=model).has_engine
+
+
+def test_laya_without_its_encoder_config_is_one_clear_error(tmp_path):
+    (tmp_path / plugin.LAYA_MARKER).write_text('{"encoder": "answerdotai/ModernBERT-base", "head_layers": 1}')
+    claim = plugin.detect_config(model_dir=tmp_path, config=None)
+    assert claim is not None and claim.model_type == "laya"
+    with pytest.raises(ConfigError, match="encoder/config.json: missing"):
+        plugin.model_geometry(model=resolved(tmp_path, "decision", {}, model_type="laya"))
+    assert plugin.detect_config(model_dir=tmp_path / "nowhere", config=None) is None
+

@@ -112,6 +112,25 @@ def run(model_dir: Path) -> None:
     s.send({"op": "submit", "id": 6, "slot": 1, "prompt": (prompt * 2)[:50], "max_tokens": 100})
     done = s.until("done", 6)[-1]
     check(done["reason"] == "length" and done["generated_tokens"] == CTX - 50 + 1, f"length at ctx: {done}")
+    # decide: the options' logits at marked rows (the very values of the prompt logits above), a pinned state the
+    # next decide on the slot reuses (a recurrent one from its checkpoint at the pin), bad fields refused
+    s.send({"op": "decide", "id": 7, "slot": 0, "prompt": prompt, "marks": [40, 33, 5],
+            "options": [[2, 3], [4], [5, 6, 7]], "pin": 20})
+    events = s.until("done", 7)
+    decision = [e for e in events if e["ev"] == "decision"]
+    check(len(decision) == 1 and events[-1]["reason"] == "decided", f"decide: {events[-2:]}")
+    check(decision[0]["scores"][0] == [logits[39]["values"][2], logits[39]["values"][3]] and
+          decision[0]["scores"][1] == [logits[32]["values"][4]] and len(decision[0]["scores"][2]) == 3,
+          f"decide scores are the prompt logits: {decision[0]}")
+    s.send({"op": "decide", "id": 8, "slot": 0, "prompt": prompt[:20] + [9, 10, 11], "marks": [23],
+            "options": [[2]], "pin": 20})
+    events = s.until("done", 8)
+    check(events[0]["reused_tokens"] == 20 and events[-1]["prefilled_tokens"] == 3, f"pinned reuse: {events}")
+    for bad in ({"marks": [0], "options": [[1]]}, {"marks": [3], "options": [[vocab]]},
+                {"marks": [3], "options": [[1]], "pin": 999}, {"marks": [3, 4], "options": [[1]]}):
+        s.send({"op": "decide", "id": 9, "slot": 0, "prompt": prompt, **bad})
+        e = s.event()
+        check(e["ev"] == "error" and e["code"] == "bad_request", f"bad decide {bad}: {e}")
     s.send({"op": "stats"})
     stats = s.until("stats")[-1]
     check(all(m > 0 for m in stats["misses"]), f"misses in every MoE layer at cap 1: {stats}")

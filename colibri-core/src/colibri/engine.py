@@ -65,6 +65,7 @@ class Result:
     logits: list[list[float]]
     stats: dict[str, Any]
     accept: dict[str, Any] = field(default_factory=dict)
+    scores: list[list[float]] = field(default_factory=list)   # a decide's option logits, one list per mark
 
 
 class Request:
@@ -82,6 +83,7 @@ class Request:
         self.logits: list[list[float]] = []
         self.accept: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
+        self.scores: list[list[float]] = []
         self.finished = False
         self._queue: "queue.Queue[dict | _Death]" = queue.Queue()
 
@@ -106,6 +108,8 @@ class Request:
                 self.logits.append(logits_row(item).tolist() if "f32" in item else [float(v) for v in item["values"]])
             elif ev == "accept":
                 self.accept = item
+            elif ev == "decision":
+                self.scores = [[float("nan") if v is None else float(v) for v in row] for row in item["scores"]]
             elif ev == "done":
                 self.stats = item
                 self.finished = True
@@ -122,7 +126,7 @@ class Request:
     def wait(self, timeout: float | None = None) -> Result:
         for _ in self.events(timeout):
             pass
-        return Result(self.tokens, self.logits, self.stats, self.accept)
+        return Result(self.tokens, self.logits, self.stats, self.accept, self.scores)
 
 
 class Engine:
@@ -252,10 +256,27 @@ class Engine:
         if forced is not None:
             msg["forced"] = [int(t) for t in forced]
         msg.update({k: v for k, v in processors.items() if v is not None})
+        self._register(req)
+        self._send(msg)
+        return req
+
+    def _register(self, req: Request) -> None:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            self._pending[rid] = req
+            self._pending[req.id] = req
+
+    def decide(self, prompt: Sequence[int], marks: Sequence[int], options: Sequence[Sequence[int]], *,
+               slot: int = 0, pin: int = 0) -> Request:
+        """Start a decide (docs/protocol.md): the logits of ``options[i]`` at the token before ``marks[i]`` (a count
+        of prompt tokens), in ``Request.scores``. ``pin``: the prompt tokens of the state later decides on this slot
+        share (a recurrent state is checkpointed there)."""
+        rid = next(self._ids)
+        req = Request(self, rid, slot)
+        msg: dict[str, Any] = {"op": "decide", "id": rid, "slot": int(slot), "prompt": [int(t) for t in prompt],
+                               "marks": [int(m) for m in marks], "options": [[int(t) for t in o] for o in options],
+                               "pin": int(pin)}
+        self._register(req)
         self._send(msg)
         return req
 

@@ -1,4 +1,6 @@
-"""colibri family plugin for decision checkpoints: GLiNER2-style extractors (``model_type: extractor``).
+"""colibri family plugin for decision checkpoints: GLiNER2-style extractors (``model_type: extractor``) and Laya
+checkpoints (claimed by their marker file ``rl_agent_config.json``: a ModernBERT encoder under ``encoder/`` and
+``encoder.*`` weights, a typed decision head ``head.*``, ``type_emb``, ``scorer``, ``act_head``).
 
 An extractor is a bidirectional encoder (BERT or DeBERTa-v2, described by ``encoder_config``) whose weights sit
 under ``encoder.`` in ``model.safetensors``, followed by small heads (span representation, classifier, count
@@ -17,22 +19,86 @@ from colibri.errors import ConfigError
 from colibri.records import Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
 
 FAMILY = "decision"
-MODEL_TYPES = ("extractor",)
+MODEL_TYPES = ("extractor", "laya")
+LAYA_MARKER = "rl_agent_config.json"     # what laya.agent itself requires of a checkpoint directory
+LAYA_HEAD_PREFIXES = ("encoder.", "type_emb.", "scorer.", "act_head.")
 ENCODER_PREFIX = "encoder."
 ENCODER_TYPES = ("bert", "deberta-v2", "deberta_v2")
 
 
 @hookimpl
 def describe_family() -> FamilyDescriptor:
-    return FamilyDescriptor(FAMILY, MODEL_TYPES, "decision checkpoints: GLiNER2-style extractors (encoder + heads)")
+    return FamilyDescriptor(FAMILY, MODEL_TYPES,
+                            "decision checkpoints: GLiNER2-style extractors and Laya (encoder + decision heads)")
 
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
     model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
+    if model_type == "extractor":
         return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
+    if (model_dir / LAYA_MARKER).is_file():
+        return Claim(FAMILY, "laya", f"{LAYA_MARKER} (a Laya checkpoint)")
     return None
+
+
+def _read_json(path: Path, fix: str) -> Mapping[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing", fix) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not readable JSON ({exc})", fix) from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: not a JSON object", fix)
+    return data
+
+
+def _laya(model: ResolvedModel) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
+    """(rl_agent_config.json, the encoder's config, where it is) of a Laya checkpoint."""
+    fix = "a Laya checkpoint ships rl_agent_config.json and encoder/config.json with its model.safetensors"
+    agent = _read_json(model.path / LAYA_MARKER, fix)
+    where = str(model.path / "encoder" / "config.json")
+    enc = _read_json(model.path / "encoder" / "config.json", fix)
+    if "head_layers" not in agent:
+        raise ConfigError(f"{model.path / LAYA_MARKER}: no 'head_layers'", fix)
+    return agent, enc, where
+
+
+def _laya_geometry(model: ResolvedModel) -> Geometry:
+    agent, enc, where = _laya(model)
+    hidden = configs.require_int(enc, "hidden_size", where=where, minimum=1)
+    heads = configs.require_int(enc, "num_attention_heads", where=where, minimum=1)
+    return Geometry(
+        model_type="laya", architecture=f"Laya ({enc.get('model_type', 'modernbert')} encoder + decision head)",
+        attention="bidirectional encoder", num_layers=configs.require_int(enc, "num_hidden_layers", where=where,
+                                                                          minimum=1),
+        hidden_size=hidden, vocab_size=configs.require_int(enc, "vocab_size", where=where, minimum=1),
+        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, max_context=configs.max_context(enc),
+        notes=(("encoder", str(agent.get("encoder", "?"))), ("head layers", str(agent.get("head_layers"))))
+    )
+
+
+def _shard_names(model: ResolvedModel) -> list[str]:
+    shards = default_shard_set(model.path)
+    if shards is None:
+        raise ConfigError(f"{model.path}: no *.safetensors weights", "download the checkpoint's model.safetensors")
+    return sorted(t.name for t in TensorIndex((shards,)))
+
+
+def _laya_layout(model: ResolvedModel) -> TensorLayout:
+    _laya(model)
+    names = _shard_names(model)
+    missing = [p for p in LAYA_HEAD_PREFIXES if not any(n.startswith(p) for n in names)]
+    if missing:
+        raise ConfigError(f"{model.path / 'model.safetensors'}: no {missing[0]}* tensors",
+                          "a Laya checkpoint holds its encoder and its decision heads; restore model.safetensors")
+    embeddings = tuple(n for n in names if n.startswith("encoder.embeddings.") and n.endswith("embeddings.weight"))
+    norms = tuple(n for n in names if "norm" in n.lower() and n.endswith(".weight"))
+    return TensorLayout(embeddings=embeddings, lm_head=None, norms=norms, routers=(), experts=(),
+                        required=tuple(n for n in names if n not in embeddings and n not in norms))
 
 
 def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
@@ -50,6 +116,8 @@ def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
 
 @hookimpl
 def model_geometry(model: ResolvedModel) -> Geometry:
+    if model.model_type == "laya":
+        return _laya_geometry(model)
     enc, where, kind = _encoder(model)
     cfg = model.config
     notes = [("encoder", kind), ("max span width", str(cfg.get("max_width", "?")))]
@@ -100,15 +168,14 @@ def encoder_tensors(enc: Mapping[str, Any], kind: str, where: str) -> tuple[list
 
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    if model.model_type == "laya":
+        return _laya_layout(model)
     enc, where, kind = _encoder(model)
     embeddings, norms, other = encoder_tensors(enc, kind, where)
     prefixed = [ENCODER_PREFIX + n for n in other]
     # The heads' shapes and count depend on the extractor version, not on config.json: take them from the shard
     # headers (names only; no weight bytes are read).
-    shards = default_shard_set(model.path)
-    if shards is None:
-        raise ConfigError(f"{model.path}: no *.safetensors weights", "download the checkpoint's model.safetensors")
-    heads = sorted(t.name for t in TensorIndex((shards,)) if not t.name.startswith(ENCODER_PREFIX))
+    heads = [name for name in _shard_names(model) if not name.startswith(ENCODER_PREFIX)]
     return TensorLayout(embeddings=tuple(ENCODER_PREFIX + n for n in embeddings), lm_head=None,
                         norms=tuple(ENCODER_PREFIX + n for n in norms), routers=(), experts=(),
                         required=tuple(prefixed + heads))
@@ -116,6 +183,10 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
+    if model.model_type == "laya":
+        _, enc, _ = _laya(model)
+        return Limits(max_context=configs.max_context(enc), has_engine=False,
+                      reason_no_engine=f"no engine for Laya checkpoints yet ({FAMILY} family)")
     enc, _, _ = _encoder(model)
     return Limits(max_context=configs.max_context(enc), has_engine=False,
                   reason_no_engine=f"no engine for {FAMILY} yet")

@@ -1,5 +1,5 @@
-"""A tiny random-weight GLiNER2-style decision checkpoint for tests (``colibri.testing.tiny.tiny_model(
-"extractor", ...)``): a transformers encoder plus span/classifier heads.
+"""Tiny random-weight decision checkpoints for tests (``colibri.testing.tiny.tiny_model("extractor" | "laya", ...)``):
+a GLiNER2-style transformers encoder plus span/classifier heads, and a Laya checkpoint built with laya's classes.
 
 Registered under the entry-point group ``colibri.testing.tiny``.
 """
@@ -97,4 +97,37 @@ def build_extractor(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "
     return TinyModel(out, "extractor", "extractor", int(num), stored_elements(out))
 
 
-TINY_MODELS = {"extractor": build_extractor}
+def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32", **overrides: Any) -> TinyModel:
+    """A Laya checkpoint built with the ``laya`` package's own classes: ``rl_agent_config.json``, a tiny ModernBERT
+    described by ``encoder/config.json``, ``model.safetensors`` (encoder + decision heads) and ``tokenizer/``.
+
+    ``overrides`` go to the encoder config; ``head_layers`` sets the decision head's depth (default 1).
+    """
+    import torch
+    from laya.common import build_model
+    from safetensors.torch import save_file
+    from transformers import ModernBertConfig
+
+    out = Path(out_dir)
+    head_layers = int(overrides.pop("head_layers", 1))
+    enc = ModernBertConfig(**{**dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=96, max_position_embeddings=128, global_attn_every_n_layers=2,
+                                     local_attention=16, pad_token_id=1, bos_token_id=0, eos_token_id=0,
+                                     cls_token_id=0, sep_token_id=0), **overrides})
+    (out / "encoder").mkdir(parents=True, exist_ok=True)
+    enc.save_pretrained(out / "encoder")
+    cfg = {"encoder": "answerdotai/ModernBERT-base", "head_layers": head_layers, "act_costs": {}}
+    torch.manual_seed(seed)
+    model = build_model(cfg, encoder_dir=str(out / "encoder"), pretrained=False)
+    redraw_weights(model, seed, salt="laya")
+    target = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
+    tensors = {k: (v.detach().to(target) if v.is_floating_point() else v).contiguous()
+               for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_json(out / "rl_agent_config.json", cfg)
+    train_tokenizer(out / "tokenizer", STYLE, VOCAB, 128)
+    num = sum(v.numel() for v in tensors.values())   # parameters and the calibration buffer (temperature)
+    return TinyModel(out, "laya", "laya", int(num), stored_elements(out))
+
+
+TINY_MODELS = {"extractor": build_extractor, "laya": build_laya}

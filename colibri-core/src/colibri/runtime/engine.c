@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "expert_stats.h"
+#include "decide.h"
 #include "json.h"
 #include "kernels.h"
 #include "logits_procs.h"
@@ -47,6 +48,7 @@ typedef struct {
     int snap_pos;              /* tokens it covers; 0 = none */
     cb_sampler sampler;
     cb_procs procs;            /* penalties, bias, mask, logprobs (logits_procs.h) */
+    cb_decide decide;          /* a decide request's marks and options (n_marks 0: a generation) */
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
@@ -234,6 +236,7 @@ static void seq_clear(slot_t *s) {
     free(s->forced);
     s->prompt = s->stop = s->forced = NULL;
     cb_procs_free(&s->procs);
+    cb_decide_free(&s->decide);
     s->phase = SEQ_IDLE;
 }
 
@@ -331,9 +334,12 @@ static int step(engine_t *E, slot_t *s, char *err) {
     if (s->phase == SEQ_PREFILL) {
         int n = s->prompt_len - s->next;
         if (n > E->prefill_chunk) n = E->prefill_chunk;
+        n = cb_decide_chunk(&s->decide, s->next, n);
         int pos0 = s->n_tokens;
+        int reads = cb_decide_reads(&s->decide, pos0, n);
         double t0 = now_s();
-        if (forward(E, s, s->prompt + s->next, n, s->want_logits != 0, err)) return -1;
+        if (forward(E, s, s->prompt + s->next, n, s->want_logits != 0 || reads, err)) return -1;
+        if (reads) cb_decide_collect(&s->decide, E->logits, pos0, n, vocab);
         s->prefill_s += now_s() - t0;
         s->next += n;
         E->prefilled_total += (uint64_t)n;
@@ -342,7 +348,8 @@ static int step(engine_t *E, slot_t *s, char *err) {
             s->prefill_prof = s->prof;
             s->prefill_forward_s = s->forward_s;
         }
-        if (s->kv.state && s->next == s->prompt_len) {
+        /* a decide's questions share the state up to its pin: that is the checkpoint the next question needs */
+        if (s->kv.state && s->next == (s->decide.pin ? s->decide.pin : s->prompt_len)) {
             memcpy(s->snap, s->kv.state, E->info.state_bytes);
             s->snap_pos = s->n_tokens;
         }
@@ -370,6 +377,12 @@ static int step(engine_t *E, slot_t *s, char *err) {
             cb_buf_printf(&E->out, "{\"ev\":\"keepalive\",\"id\":%lld,\"done\":%d,\"total\":%d}", (long long)s->id,
                           s->next, s->prompt_len);
             emit(E);
+            return 0;
+        }
+        if (s->decide.n_marks) {
+            cb_decide_put(&E->out, &s->decide, s->id);
+            emit(E);
+            finish(E, s, "decided");
             return 0;
         }
         if (s->max_tokens <= 0) {
@@ -516,9 +529,21 @@ static void do_submit(engine_t *E, cb_json *req) {
         emit_error(E, 1, id, "bad_request", err);
         return;
     }
-    /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits. */
-    int reuse = 0;
-    while (reuse < s->n_tokens && reuse < n_prompt - 1 && s->tokens[reuse] == prompt[reuse]) reuse++;
+    cb_decide decide = {0};
+    cb_json *op = cb_json_get(req, "op");
+    int deciding = op && op->type == CB_JSTR && !strcmp(op->str, "decide");
+    if (deciding && cb_decide_parse(req, E->info.vocab, n_prompt, &decide, err, ERRLEN)) {
+        cb_procs_free(&procs);
+        free(prompt);
+        free(stop);
+        free(forced);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits (a decide:
+     * every row it reads). */
+    int reuse = 0, keep = deciding ? decide.first_row : n_prompt - 1;
+    while (reuse < s->n_tokens && reuse < keep && s->tokens[reuse] == prompt[reuse]) reuse++;
     /* A recurrent state cannot be rewound. Keep it when it covers exactly the reused tokens, else go back to the
      * checkpoint taken after the last prompt (a chat turn whose re-tokenized reply differs from the sampled
      * tokens still reuses the history before it), else start from the empty state. */
@@ -538,7 +563,8 @@ static void do_submit(engine_t *E, cb_json *req) {
     s->prompt_len = n_prompt;
     s->next = reuse;
     s->reused = reuse;
-    s->max_tokens = (int)max_tokens;
+    s->max_tokens = deciding ? 0 : (int)max_tokens;
+    s->decide = decide;
     s->generated = 0;
     s->want_logits = is_f32 ? LOGITS_F32 : (lg && lg->type == CB_JBOOL && lg->boolean) ? LOGITS_TEXT : 0;
     s->stop = stop;
@@ -609,7 +635,7 @@ static void handle_line(engine_t *E, const char *line, size_t n) {
         emit_error(E, 0, 0, "bad_request", "a request must be a JSON object");
     } else if (!op || op->type != CB_JSTR) {
         emit_error(E, has_id, id, "bad_request", "missing string field \"op\"");
-    } else if (!strcmp(op->str, "submit")) {
+    } else if (!strcmp(op->str, "submit") || !strcmp(op->str, "decide")) {
         do_submit(E, req);
     } else if (!strcmp(op->str, "cancel")) {
         slot_t *s = has_id ? find_seq(E, id) : NULL;
@@ -637,7 +663,7 @@ static void handle_line(engine_t *E, const char *line, size_t n) {
     } else if (!strcmp(op->str, "shutdown")) {
         E->shutdown = 1;
     } else {
-        snprintf(err, ERRLEN, "unknown op \"%.64s\" (submit, mask, cancel, reset, stats, shutdown)", op->str);
+        snprintf(err, ERRLEN, "unknown op \"%.64s\" (submit, decide, mask, cancel, reset, stats, shutdown)", op->str);
         emit_error(E, has_id, id, "bad_request", err);
     }
     cb_json_free(doc);
@@ -902,7 +928,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    cb_buf_puts(&E.out, "}");
+    cb_buf_puts(&E.out, ",\"abilities\":[\"chat\",\"decide\"]}");
     emit(&E);
 
     rc = 0;

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_routes, dashboard, openai_routes, responses_routes
+from . import anthropic_routes, dashboard, openai_routes, responses_routes, systemone
 from .access_log import AccessLog, note
 from .auth import check_key
 from .config import ServerConfig
@@ -212,6 +212,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/experts", _endpoint("experts", dashboard.experts), methods=["GET"]),
         Route("/profile", _endpoint("profile", dashboard.profile), methods=["GET"]),
         *(Route(path, _endpoint("dashboard", dashboard.asset), methods=["GET"]) for path in dashboard.ASSETS),
+        Route("/v1/systemone", _endpoint("systemone", systemone.systemone), methods=["POST"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -221,8 +222,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
                              code="method_not_allowed")
         elif exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-                                  f"/v1/completions, /v1/responses, /v1/messages, /health, /metrics, /experts, "
-                                  f"/profile, / (the dashboard)", code="not_found")
+                                  f"/v1/completions, /v1/responses, /v1/messages, /v1/systemone, /health, /metrics, "
+                                  f"/experts, /profile, / (the dashboard)", code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), code="http_error")
         return error_response(error, request.url.path)
