@@ -1,6 +1,7 @@
 /* decoder.c: see decoder.h. */
 #include "decoder.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,6 +83,40 @@ static int load_table(float **out, const cb_st_index *idx, const char *name, int
     return cb_load_f32(out, idx, t, (size_t)rows * (size_t)cols, bytes, err, errlen);
 }
 
+/* An I64/I32 tensor of exactly [rows, cols], as int32 (values outside int32 refused). */
+static int load_index(int32_t **out, const cb_st_index *idx, const char *name, int rows, int cols, char *err,
+                      size_t errlen) {
+    const cb_tensor *t = cb_st_find(idx, name);
+    if (!t) {
+        snprintf(err, errlen, "tensor %s not found in the checkpoint", name);
+        return -1;
+    }
+    int wide = !strcmp(t->dtype_name, "I64");
+    if ((!wide && strcmp(t->dtype_name, "I32")) || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+        snprintf(err, errlen, "%s: expected I64/I32 [%d, %d], found %s with %d dims", name, rows, cols, t->dtype_name,
+                 t->ndim);
+        return -1;
+    }
+    void *raw = cb_st_load(idx, t, err, errlen);
+    if (!raw) return -1;
+    size_t n = (size_t)rows * (size_t)cols;
+    if (!(*out = malloc(n * sizeof(int32_t)))) {
+        free(raw);
+        return cb_oom(err, errlen, name);
+    }
+    for (size_t i = 0; i < n; i++) {
+        int64_t v = wide ? ((const int64_t *)raw)[i] : ((const int32_t *)raw)[i];
+        if (v < INT32_MIN || v > INT32_MAX) {
+            free(raw);
+            snprintf(err, errlen, "%s: value %lld outside int32", name, (long long)v);
+            return -1;
+        }
+        (*out)[i] = (int32_t)v;
+    }
+    free(raw);
+    return 0;
+}
+
 int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
                     size_t *bytes, char *err, size_t errlen) {
     char name[NAME_LEN];
@@ -94,6 +129,8 @@ int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table,
             rc = cb_load_linear(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
         else if (t->kind == CB_TENSOR_TABLE)
             rc = load_table(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
+        else if (t->kind == CB_TENSOR_INDEX)
+            rc = load_index(at, idx, name, rows, field_int(model, t->cols), err, errlen);
         else
             rc = cb_load_vector(at, idx, name, rows, bytes, err, errlen);
         if (rc) return -1;
@@ -155,8 +192,11 @@ static int load_moe(cb_decoder *d, cb_ffn *f, int l, const char *moe_fmt, char *
     for (int m = 0; m < 3; m++) snprintf(mats[m], sizeof mats[m], "%sexperts.%%d.%s.weight", moe_fmt, leaves[m]);
     const char *const names[3] = {mats[0], mats[1], mats[2]};
     const cb_grouped_moe_shape *s = &d->moe;
-    return cb_moe_init(&f->moe, &d->idx, l, router, names, s->n_experts, s->top_k, s->norm_topk_prob, d->hidden,
-                       s->inter, d->cap, d->max_batch, &d->dense_bytes, err, errlen);
+    if (cb_moe_init(&f->moe, &d->idx, l, router, names, s->n_experts, s->top_k, s->norm_topk_prob, d->hidden,
+                    s->inter, d->cap, d->max_batch, &d->dense_bytes, err, errlen))
+        return -1;
+    f->moe.swiglu_limit = d->expert_limit;
+    return 0;
 }
 
 /* The recipe's always-on shared expert beside a softmax-routed layer (Qwen's, under a sigmoid gate). */
@@ -204,6 +244,11 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->cap = a->cap;
     if (cb_hp_read(a->hp, r->hparams, m, err, errlen)) return -1;
     d->moe.hidden = d->hidden;
+    if (d->prefix && (strlen(d->prefix) >= PREFIX_LEN / 4 || strchr(d->prefix, '%'))) {
+        snprintf(err, errlen, "--set weight_prefix=%s: over %d characters or contains %%", d->prefix,
+                 PREFIX_LEN / 4 - 1);
+        return -1;
+    }
     if (r->setup && r->setup(m, a->hp, err, errlen)) return -1;
     if (cb_st_open(&d->idx, a->model_dir, err, errlen)) return -1;
     const char *embed = r->embed_name ? r->embed_name : "model.embed_tokens.weight";
@@ -316,6 +361,7 @@ static void norm_rows(cb_decoder *d, float *out, const float *x, const float *w,
 }
 
 void cb_decoder_embed(cb_decoder *d, const int *tokens, int n) {
+    d->tokens = tokens;
     for (int i = 0; i < n; i++) cb_embed(d->x + (size_t)i * (size_t)d->hidden, &d->embed, tokens[i]);
 }
 
@@ -323,18 +369,29 @@ void cb_decoder_attn_norm(cb_decoder *d, int l, int n) { norm_rows(d, d->h, d->x
 
 void cb_decoder_residual(cb_decoder *d, int n) { cb_add(d->x, d->proj, (size_t)n * (size_t)d->hidden); }
 
-int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
+static int routed_forward(cb_decoder *d, cb_moe *moe, int l, int n, char *err, size_t errlen) {
+    int (*route)(void *, int, cb_moe *, const float *, int, char *, size_t) = d->recipe->route;
+    if (!route) return cb_moe_forward(moe, d->proj, d->h, n, err, errlen);
+    return route(d, l, moe, d->h, n, err, errlen) ? -1 : cb_moe_experts_forward(moe, d->proj, d->h, n, err, errlen);
+}
+
+int cb_decoder_ffn_block(cb_decoder *d, int l, int n, char *err, size_t errlen) {
     cb_ffn *f = &d->ffn[l];
-    norm_rows(d, d->h, d->x, d->ffn_norm[l], n);
     int rc = 0;
     if (f->kind == CB_FFN_DENSE) cb_swiglu_forward(&f->dense, d->proj, d->h, n);
-    else if (f->kind == CB_FFN_MOE) rc = cb_moe_forward(&f->moe, d->proj, d->h, n, err, errlen);
+    else if (f->kind == CB_FFN_MOE) rc = routed_forward(d, &f->moe, l, n, err, errlen);
     else rc = cb_grouped_moe_forward(&f->grouped, d->proj, d->h, n, err, errlen);
     if (rc) return -1;
     if (f->shared.inter) {
         cb_mlp_forward(&f->shared, d->shared_out, d->h, n);
         cb_add(d->proj, d->shared_out, (size_t)n * (size_t)d->hidden);
     }
+    return 0;
+}
+
+int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
+    norm_rows(d, d->h, d->x, d->ffn_norm[l], n);
+    if (cb_decoder_ffn_block(d, l, n, err, errlen)) return -1;
     cb_decoder_residual(d, n);
     return 0;
 }

@@ -37,6 +37,7 @@ typedef enum {
     CB_TENSOR_LINEAR = 0,      /* a cb_linear [rows, cols] in its stored form */
     CB_TENSOR_VECTOR = 1,      /* a float * of rows f32 values */
     CB_TENSOR_TABLE = 2,       /* a float * of an f32/bf16/f16 [rows, cols] tensor (mixing maps, position tables) */
+    CB_TENSOR_INDEX = 3,       /* an int32_t * of an I64/I32 [rows, cols] tensor (token -> expert tables) */
 } cb_tensor_kind;
 
 #define CB_ALWAYS ((size_t)-1)
@@ -68,8 +69,14 @@ typedef struct {
 /* Loaded only on the layers whose letter in the model's string field `letters` is in `on` (e.g. "HC"). */
 #define CB_LINEAR_ON(name, LT, f, MT, rows, cols, letters, on) \
     {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
+/* Both: the flag set and the layer's letter in `on`. */
+#define CB_LINEAR_IF_ON(name, LT, f, MT, rows, cols, flag, letters, on) \
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), offsetof(MT, flag), \
+     offsetof(MT, letters), on}
 #define CB_VECTOR_ON(name, LT, f, MT, n, letters, on) \
     {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, CB_ALWAYS, offsetof(MT, letters), on}
+#define CB_INDEX_ON(name, LT, f, MT, rows, cols, letters, on) \
+    {name, CB_TENSOR_INDEX, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
 #define CB_TABLE_ON(name, LT, f, MT, rows, cols, letters, on) \
     {name, CB_TENSOR_TABLE, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
 #define CB_TENSORS_END {NULL, CB_TENSOR_LINEAR, 0, 0, 0, 0, 0, NULL}
@@ -120,6 +127,8 @@ typedef struct {
     int norm_offset;           /* every decoder norm is stored zero-centred: its scale is 1 + w (Qwen3-Next) */
     const char *prefix;        /* the checkpoint's text-model prefix in place of "model." (NULL: model.) */
     int layout;                /* which alternative of every '|'-separated name the checkpoint uses (cb_decoder_name) */
+    float expert_limit;        /* > 0: the routed experts' SwiGLU is clamped (cb_moe.swiglu_limit) */
+    const int *tokens;         /* the current forward call's tokens (cb_decoder_embed), for token-routed layers */
     /* from the load arguments */
     int max_batch, ctx, cap;
     cb_st_index idx;
@@ -189,6 +198,9 @@ typedef struct cb_recipe {
     /* CB_FFN_MOE with shared_inter > 0: the shared expert's prefix and its [1, hidden] sigmoid gate (NULL: none);
      * printf formats of the layer */
     const char *shared_prefix, *shared_gate;
+    /* CB_FFN_MOE: the family's router, in place of softmax top-k: fill moe->chosen and moe->weight (n rows x top_k)
+     * for the normed rows h of layer l (d->tokens are their tokens); 0 or -1 with a message (may be NULL) */
+    int (*route)(void *model, int l, cb_moe *moe, const float *h, int n, char *err, size_t errlen);
 } cb_recipe;
 
 /* Load a model as the recipe says into *out; on failure everything built is freed and -1 carries the message. */
@@ -201,12 +213,14 @@ int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos
 /* Free a recipe's model (a cb_family's free). */
 void cb_decoder_unload(void *model);
 
-/* x = embedding rows of tokens[0..n). */
+/* x = embedding rows of tokens[0..n); d->tokens = tokens. */
 void cb_decoder_embed(cb_decoder *d, const int *tokens, int n);
 /* h = rmsnorm(x) with layer l's input_layernorm: the mixer's input. */
 void cb_decoder_attn_norm(cb_decoder *d, int l, int n);
 /* x += proj: the mixer's output, which it wrote into d->proj. */
 void cb_decoder_residual(cb_decoder *d, int n);
+/* proj = ffn(h) of layer l, h already normed (a family with its own residual calls this). 0, or -1 with a message. */
+int cb_decoder_ffn_block(cb_decoder *d, int l, int n, char *err, size_t errlen);
 /* x += ffn(rmsnorm(x)) of layer l. 0, or -1 with a message (an expert read failed). */
 int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen);
 /* logits = lm_head(rmsnorm(x)) of every row when all_logits, else of the last. */

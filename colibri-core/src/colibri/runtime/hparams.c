@@ -142,3 +142,53 @@ int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, si
     }
     return 0;
 }
+
+/* The letter of the word value[0..len) in words ("word=L,word=L"), or 0. */
+static char letter_of(const char *words, const char *value, size_t len) {
+    for (const char *w = words; *w;) {
+        const char *eq = strchr(w, '='), *end = strchr(w, ',');
+        if (!eq) return 0;
+        if ((size_t)(eq - w) == len && !strncmp(w, value, len)) return eq[1];
+        if (!end) return 0;
+        w = end + 1;
+    }
+    return 0;
+}
+
+int cb_hp_layer_words(const char *key, const char *value, const char *words, int n, char *out, char *err,
+                      size_t errlen) {
+    const char *s = value;
+    for (int l = 0; l < n; l++) {
+        const char *end = strchr(s, ',');
+        size_t len = end ? (size_t)(end - s) : strlen(s);
+        if (!(out[l] = letter_of(words, s, len))) {
+            snprintf(err, errlen, "--set %s: entry %d must be one of %s (word=letter)", key, l, words);
+            return -1;
+        }
+        if (!end && l + 1 < n) {
+            snprintf(err, errlen, "--set %s: %d entries for %d layers", key, l + 1, n);
+            return -1;
+        }
+        s = end ? end + 1 : s + len;
+    }
+    if (*s || (s > value && s[-1] == ',')) {
+        snprintf(err, errlen, "--set %s: more entries than the %d layers", key, n);
+        return -1;
+    }
+    out[n] = 0;
+    return 0;
+}
+
+int cb_hp_layer_indices(const char *key, const char *value, int n, char letter, char *out, char *err, size_t errlen) {
+    for (const char *s = value; *s;) {
+        char *end;
+        long l = strtol(s, &end, 10);
+        if (end == s || l < 0 || l >= n || (*end && *end != ',')) {
+            snprintf(err, errlen, "--set %s: expected comma-separated layer indices below %d", key, n);
+            return -1;
+        }
+        out[l] = letter;
+        s = *end ? end + 1 : end;
+    }
+    return 0;
+}

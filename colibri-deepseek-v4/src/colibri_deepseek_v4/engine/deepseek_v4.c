@@ -50,7 +50,6 @@ typedef struct {
     float *i_ape, *i_norm;
     int32_t *tid2eid;          /* hash-routed layers */
     float *bias;               /* the others */
-    cb_moe moe;
     cb_linear sh_gate, sh_up, sh_down;
 } v4_layer;
 
@@ -130,8 +129,9 @@ static const cb_tensor_spec TENSORS[] = {
     CB_VECTOR_ON(LT("attn.indexer.compressor.norm.weight"), v4_layer, i_norm, v4, ix_dim, layer_kinds, "C"),
     CB_LINEAR_ON(LT("attn.indexer.wq_b.weight"), v4_layer, i_wq_b, v4, ixw, q_lora, layer_kinds, "C"),
     CB_LINEAR_ON(LT("attn.indexer.weights_proj.weight"), v4_layer, i_wproj, v4, ix_heads, d.hidden, layer_kinds, "C"),
-    /* the FFN beside the routed experts (the router itself is the MoE block's) */
+    /* the routing beside the router (the decoder loads it and the experts under ffn.), and the shared expert */
     CB_VECTOR_ON(LT("ffn.gate.bias"), v4_layer, bias, v4, d.moe.n_experts, mlp_layers, "M"),
+    CB_INDEX_ON(LT("ffn.gate.tid2eid"), v4_layer, tid2eid, v4, d.vocab, d.moe.top_k, mlp_layers, "H"),
     CB_LINEAR_IF(LT("ffn.shared_experts.w1.weight"), v4_layer, sh_gate, v4, sh_w, d.hidden, has_shared),
     CB_LINEAR_IF(LT("ffn.shared_experts.w3.weight"), v4_layer, sh_up, v4, sh_w, d.hidden, has_shared),
     CB_LINEAR_IF(LT("ffn.shared_experts.w2.weight"), v4_layer, sh_down, v4, d.hidden, sh_w, has_shared),
@@ -143,9 +143,8 @@ static const cb_tensor_spec MODEL_TENSORS[] = {
     CB_VECTOR("model.hc_head.hc_scale|hc_head_scale", v4, hc_head[2], v4, one),
     CB_TENSORS_END,
 };
-/* The routed experts: (layer, expert) formats; w1 = gate, w3 = up, w2 = down. */
-static const char *const EXPERTS[3] = {LT("ffn.experts.%d.w1.weight"), LT("ffn.experts.%d.w3.weight"),
-                                       LT("ffn.experts.%d.w2.weight")};
+/* The routed experts under ffn.experts.<e>.: w1 = gate, w3 = up, w2 = down. */
+static const char *const EXPERT_MATS[3] = {"w1", "w3", "w2"};
 
 /* The sliding-window layers' RoPE: --set main_rope_theta, default type, the same rotated width. */
 static int main_rope_init(cb_rope *r, const v4 *m, int head_dim, char *err, size_t errlen) {
@@ -179,6 +178,9 @@ static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     m->three = 3;
     m->has_shared = m->n_shared > 0;
     m->sh_w = m->n_shared * m->d.moe.inter;
+    m->d.moe.expert_mats = EXPERT_MATS;
+    m->d.moe.norm_topk_prob = 1;
+    m->d.expert_limit = m->swiglu_limit;
     if (main_rope_init(&m->main_rope, m, D, err, errlen) || cb_rope_init(&m->comp_rope, hp, D, 0, err, errlen))
         return -1;
     if (m->comp_rope.rot_dim > m->ix_dim || m->main_rope.rot_dim != m->comp_rope.rot_dim) {
@@ -189,62 +191,20 @@ static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     return 0;
 }
 
-/* The hash-routing table [vocab, top_k] (I64 or I32 on disk), checked against the expert count. */
-static int load_tid2eid(int32_t **out, const v4 *m, const char *name, char *err, size_t errlen) {
-    int vocab = m->d.vocab, top_k = m->d.moe.top_k, n_experts = m->d.moe.n_experts;
-    const cb_tensor *t = cb_st_find(&m->d.idx, name);
-    if (!t) {
-        snprintf(err, errlen, "tensor %s not found (a hash-routed layer needs its token -> experts table)", name);
-        return -1;
-    }
-    int wide = !strcmp(t->dtype_name, "I64");
-    if ((!wide && strcmp(t->dtype_name, "I32")) || t->ndim != 2 || t->shape[0] != vocab || t->shape[1] != top_k) {
-        snprintf(err, errlen, "%s: expected I64/I32 [%d, %d], found %s with %d dims", name, vocab, top_k,
-                 t->dtype_name, t->ndim);
-        return -1;
-    }
-    void *raw = cb_st_load(&m->d.idx, t, err, errlen);
-    if (!raw) return -1;
-    size_t n = (size_t)vocab * (size_t)top_k;
-    *out = malloc(n * sizeof(int32_t));
-    if (!*out) {
-        free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
-        return -1;
-    }
-    for (size_t i = 0; i < n; i++) {
-        int64_t e = wide ? ((const int64_t *)raw)[i] : ((const int32_t *)raw)[i];
-        if (e < 0 || e >= n_experts) {
-            free(raw);
-            snprintf(err, errlen, "%s: expert id %lld out of range [0, %d)", name, (long long)e, n_experts);
-            return -1;
-        }
-        (*out)[i] = (int32_t)e;
-    }
-    free(raw);
-    return 0;
-}
-
-/* After the table: the kind, wo_a as floats (read per group, straight from its rows), the hash table and the MoE. */
+/* After the table: the kind, wo_a as floats (read per group, straight from its rows), the hash table checked. */
 static int load_layer(void *ptr, int l, char *err, size_t errlen) {
     v4 *m = ptr;
     v4_layer *L = &m->layers[l];
-    const cb_decoder *d = &m->d;
-    char name[320], fmts[3][320];
     L->kind = m->layer_kinds[l];
     L->rate = L->kind == 'C' ? m->csa_rate : L->kind == 'H' ? m->hca_rate : 0;
-    if (cb_linear_dequantize(&L->wo_a, err, errlen) ||
-        (m->mlp_layers[l] == 'H' &&
-         load_tid2eid(&L->tid2eid, m, cb_decoder_name(d, name, sizeof name, LT("ffn.gate.tid2eid"), l), err, errlen)))
-        return -1;
-    for (int i = 0; i < 3; i++) cb_decoder_format(d, fmts[i], sizeof fmts[i], EXPERTS[i]);
-    const char *const experts[3] = {fmts[0], fmts[1], fmts[2]};
-    if (cb_moe_init(&L->moe, &d->idx, l, cb_decoder_name(d, name, sizeof name, LT("ffn.gate.weight"), l), experts,
-                    d->moe.n_experts, d->moe.top_k, 1, d->hidden, d->moe.inter, d->cap, d->max_batch,
-                    &m->d.dense_bytes, err, errlen))
-        return -1;
-    L->moe.swiglu_limit = m->swiglu_limit;
-    cb_decoder_add_experts(&m->d, &L->moe.store);
+    if (cb_linear_dequantize(&L->wo_a, err, errlen)) return -1;
+    size_t n = L->tid2eid ? (size_t)m->d.vocab * (size_t)m->d.moe.top_k : 0;
+    for (size_t i = 0; i < n; i++)
+        if (L->tid2eid[i] < 0 || L->tid2eid[i] >= m->d.moe.n_experts) {
+            snprintf(err, errlen, "layer %d's ffn.gate.tid2eid: expert id %d out of range [0, %d)", l, L->tid2eid[i],
+                     m->d.moe.n_experts);
+            return -1;
+        }
     return 0;
 }
 
@@ -287,13 +247,6 @@ static int finish(void *ptr, cb_model_info *info, char *err, size_t errlen) {
     info->kv_dim = m->kv_dim;
     info->kv_k_only = 1;
     return 0;
-}
-
-static void free_layer(void *model, void *layer) {
-    (void)model;
-    v4_layer *L = layer;
-    free(L->tid2eid);
-    if (L->moe.n_experts) cb_moe_free(&L->moe);
 }
 
 static void free_model(void *ptr) {
@@ -463,16 +416,18 @@ static void attention(v4 *m, v4_layer *L, int layer, cb_kv *kv, const float *h, 
     cb_linear_apply(&L->wo_b, out, m->ga, n);
 }
 
-static int moe(v4 *m, v4_layer *L, int l, const int *tokens, const float *h, int n, float *out, char *err,
-               size_t errlen) {
-    cb_moe *moe = &L->moe;
-    int E = m->d.moe.n_experts, K = m->d.moe.top_k, hash = m->mlp_layers[l] == 'H';
+/* The router: sqrt(softplus) with a selection bias, or the token's row of tid2eid on hash-routed layers. */
+static int route(void *ptr, int l, cb_moe *moe, const float *h, int n, char *err, size_t errlen) {
+    v4 *m = ptr;
+    const v4_layer *L = &m->layers[l];
+    const int *tokens = m->d.tokens;
+    int E = m->d.moe.n_experts, K = m->d.moe.top_k;
     cb_linear_apply(&moe->router, moe->logits, h, n);
     for (int i = 0; i < n; i++) {
         const float *logits = moe->logits + (size_t)i * E;
         int *idx = moe->chosen + (size_t)i * K;
         float *w = moe->weight + (size_t)i * K;
-        if (hash) {
+        if (L->tid2eid) {
             if (tokens[i] < 0 || tokens[i] >= m->d.vocab) {
                 snprintf(err, errlen, "token %d outside the vocabulary (%d)", tokens[i], m->d.vocab);
                 return -1;
@@ -482,16 +437,21 @@ static int moe(v4 *m, v4_layer *L, int l, const int *tokens, const float *h, int
             cb_sqrtsoftplus_route(logits, L->bias, E, K, m->scaling, idx, w, m->route_scores);
         }
     }
-    if (cb_moe_experts_forward(moe, out, h, n, err, errlen)) return -1;
-    if (m->has_shared) {   /* the clamped SwiGLU, as the routed experts */
-        size_t I = (size_t)m->sh_w;
-        cb_linear_apply(&L->sh_gate, m->sh_g, h, n);
-        cb_linear_apply(&L->sh_up, m->sh_u, h, n);
-        cb_swiglu_clamp(m->sh_g, m->sh_u, (size_t)n * I, m->swiglu_limit);
-        cb_silu_mul(m->sh_g, m->sh_u, (int)((size_t)n * I));
-        cb_linear_apply(&L->sh_down, m->sh_o, m->sh_g, n);
-        cb_add(out, m->sh_o, (size_t)n * (size_t)m->d.hidden);
-    }
+    return 0;
+}
+
+/* d.proj = the routed experts (the decoder's block, through route) + the clamped SwiGLU shared expert. */
+static int ffn(v4 *m, v4_layer *L, int l, int n, char *err, size_t errlen) {
+    if (cb_decoder_ffn_block(&m->d, l, n, err, errlen)) return -1;
+    if (!m->has_shared) return 0;
+    size_t I = (size_t)m->sh_w;
+    const float *h = m->d.h;
+    cb_linear_apply(&L->sh_gate, m->sh_g, h, n);
+    cb_linear_apply(&L->sh_up, m->sh_u, h, n);
+    cb_swiglu_clamp(m->sh_g, m->sh_u, (size_t)n * I, m->swiglu_limit);
+    cb_silu_mul(m->sh_g, m->sh_u, (int)((size_t)n * I));
+    cb_linear_apply(&L->sh_down, m->sh_o, m->sh_g, n);
+    cb_add(m->d.proj, m->sh_o, (size_t)n * (size_t)m->d.hidden);
     return 0;
 }
 
@@ -530,7 +490,7 @@ static int v4_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, 
         attention(m, L, l, kv, d->h, n, pos0, d->proj);
         hc_leave(m, n);
         hc_enter(m, L->hc_ffn, d->ffn_norm[l], n);
-        if (moe(m, L, l, tokens, d->h, n, d->proj, err, errlen)) return -1;
+        if (ffn(m, L, l, n, err, errlen)) return -1;
         hc_leave(m, n);
     }
     /* The head collapses the streams with its own weights; the decoder norms and projects them. */
@@ -545,8 +505,9 @@ static int v4_forward(void *ptr, cb_kv *kv, const int *tokens, int n, int pos0, 
 
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(v4), .layer_size = sizeof(v4_layer), .layers_at = offsetof(v4, layers),
-    .tensors = TENSORS, .model_tensors = MODEL_TENSORS, .scratch = SCRATCH, .routed = CB_FFN_NONE, .setup = setup,
-    .load_layer = load_layer, .finish = finish, .free_layer = free_layer, .free_model = free_model,
+    .tensors = TENSORS, .model_tensors = MODEL_TENSORS, .scratch = SCRATCH, .routed = CB_FFN_MOE, .setup = setup,
+    .load_layer = load_layer, .finish = finish, .free_model = free_model, .route = route,
+    .moe_prefix = LT("ffn."),
     .embed_name = "model.embed_tokens.weight|embed.weight", .norm_name = "model.norm.weight|norm.weight",
     .lm_head_name = "head.weight", .attn_norm_name = LT("attn_norm.weight"), .ffn_norm_name = LT("ffn_norm.weight"),
 };

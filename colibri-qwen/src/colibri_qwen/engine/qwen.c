@@ -33,7 +33,8 @@ typedef struct {
     cb_decoder d;
     int sparse_step, n_full;
     const char *layer_types, *mlp_only, *projection;   /* --set strings */
-    char *mixers, *ffns;       /* per layer: F full attention, Q fused / S split DeltaNet; D dense, M MoE */
+    char *mixers, *ffns;       /* per layer: F full attention / L DeltaNet; D dense / M MoE */
+    int fused, split;          /* the DeltaNet projections' layout */
     cb_gqa_config attn_cfg;
     cb_deltanet_config dn_cfg;
     int kd, vd, nv, conv_w, qkvz_w, ba_w;   /* DeltaNet widths (0 without linear layers) */
@@ -66,104 +67,61 @@ static const cb_hp_spec LINEAR_HPARAMS[] = {
     CB_HP_OPT("linear_conv_kernel_dim", qwen, dn_cfg.kernel, 4, CB_HP_POSITIVE), CB_HP_END,
 };
 
+/* The blocks' prefixes (gqa.h and deltanet.h name the tensors under them), and the DeltaNet projections. */
+#define SA "model.layers.%d.self_attn."
 #define LA "model.layers.%d.linear_attn."
 static const cb_tensor_spec TENSORS[] = {
-    CB_LINEAR_ON(LA "in_proj_qkvz.weight", qwen_layer, in_qkvz, qwen, qkvz_w, d.hidden, mixers, "Q"),
-    CB_LINEAR_ON(LA "in_proj_ba.weight", qwen_layer, in_ba, qwen, ba_w, d.hidden, mixers, "Q"),
-    CB_LINEAR_ON(LA "in_proj_qkv.weight", qwen_layer, in_qkv, qwen, conv_w, d.hidden, mixers, "S"),
-    CB_LINEAR_ON(LA "in_proj_z.weight", qwen_layer, in_z, qwen, vd, d.hidden, mixers, "S"),
-    CB_LINEAR_ON(LA "in_proj_b.weight", qwen_layer, in_b, qwen, nv, d.hidden, mixers, "S"),
-    CB_LINEAR_ON(LA "in_proj_a.weight", qwen_layer, in_a, qwen, nv, d.hidden, mixers, "S"),
-    CB_LINEAR_ON(LA "out_proj.weight", qwen_layer, out_proj, qwen, d.hidden, vd, mixers, "QS"),
+    CB_LINEAR_IF_ON(LA "in_proj_qkvz.weight", qwen_layer, in_qkvz, qwen, qkvz_w, d.hidden, fused, mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_ba.weight", qwen_layer, in_ba, qwen, ba_w, d.hidden, fused, mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_qkv.weight", qwen_layer, in_qkv, qwen, conv_w, d.hidden, split, mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_z.weight", qwen_layer, in_z, qwen, vd, d.hidden, split, mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_b.weight", qwen_layer, in_b, qwen, nv, d.hidden, split, mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_a.weight", qwen_layer, in_a, qwen, nv, d.hidden, split, mixers, "L"),
+    CB_LINEAR_ON(LA "out_proj.weight", qwen_layer, out_proj, qwen, d.hidden, vd, mixers, "L"),
     CB_TENSORS_END,
 };
-
-/* layer_types: comma-separated full_attention / linear_attention (default: all full), as the letters F / L. */
-static int parse_layer_types(qwen *m, const char *s, int linear, char *err, size_t errlen) {
-    for (int l = 0; l < m->d.n_layers; l++) {
-        const char *end = s ? strchr(s, ',') : NULL;
-        size_t len = !s ? 0 : end ? (size_t)(end - s) : strlen(s);
-        if (!s || (len == 14 && !strncmp(s, "full_attention", len))) m->mixers[l] = 'F';
-        else if (len == 16 && !strncmp(s, "linear_attention", len)) m->mixers[l] = (char)linear;
-        else {
-            snprintf(err, errlen, "--set layer_types: entry %d must be full_attention or linear_attention", l);
-            return -1;
-        }
-        if (s && !end && l + 1 < m->d.n_layers) {
-            snprintf(err, errlen, "--set layer_types: %d entries for %d layers", l + 1, m->d.n_layers);
-            return -1;
-        }
-        if (s) s = end ? end + 1 : s + len;
-    }
-    return 0;
-}
-
-/* Every decoder_sparse_step-th layer routes, unless mlp_only_layers (comma-separated indices) makes it dense. */
-static int parse_mlp_only(qwen *m, const char *s, char *err, size_t errlen) {
-    for (int l = 0; l < m->d.n_layers; l++) m->ffns[l] = (l + 1) % m->sparse_step == 0 ? 'M' : 'D';
-    while (*s) {
-        char *end;
-        long l = strtol(s, &end, 10);
-        if (end == s || l < 0 || l >= m->d.n_layers || (*end && *end != ',')) {
-            snprintf(err, errlen, "--set mlp_only_layers: expected comma-separated layer indices below %d",
-                     m->d.n_layers);
-            return -1;
-        }
-        m->ffns[l] = 'D';
-        s = *end ? end + 1 : end;
-    }
-    return 0;
-}
 
 static int setup_linear(qwen *m, cb_hparams *hp, char *err, size_t errlen) {
     cb_deltanet_config *c = &m->dn_cfg;
     if (cb_hp_read(hp, LINEAR_HPARAMS, m, err, errlen)) return -1;
-    if (strcmp(m->projection, "fused") && strcmp(m->projection, "split")) {
+    m->fused = !strcmp(m->projection, "fused");
+    m->split = !strcmp(m->projection, "split");
+    if (!m->fused && !m->split) {
         snprintf(err, errlen, "--set linear_projection=%s: use fused (qwen3_next) or split (qwen3_5)", m->projection);
         return -1;
     }
     c->eps = m->d.eps;
-    m->kd = c->n_k_heads * c->k_dim;
-    m->vd = c->n_v_heads * c->v_dim;
-    m->nv = c->n_v_heads;
-    m->conv_w = 2 * m->kd + m->vd;
-    m->qkvz_w = 2 * m->kd + 2 * m->vd;
-    m->ba_w = 2 * m->nv;
+    m->kd = c->n_k_heads * c->k_dim, m->vd = c->n_v_heads * c->v_dim, m->nv = c->n_v_heads;
+    m->conv_w = 2 * m->kd + m->vd, m->qkvz_w = 2 * m->kd + 2 * m->vd, m->ba_w = 2 * m->nv;
     return 0;
 }
 
+/* Per layer: the mixer (layer_types, default all full) and the FFN (every decoder_sparse_step-th layer routes unless
+ * mlp_only_layers makes it dense); then the attention's shape and RoPE. */
 static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     qwen *m = ptr;
     cb_gqa_config *a = &m->attn_cfg;
     int n = m->d.n_layers;
     if (a->n_heads % a->n_kv_heads) {
-        snprintf(err, errlen, "--set num_attention_heads=%d must be a multiple of num_key_value_heads=%d", a->n_heads,
-                 a->n_kv_heads);
+        snprintf(err, errlen, "--set num_attention_heads must be a multiple of num_key_value_heads");
         return -1;
     }
-    if (strlen(m->d.prefix) >= 64 || strchr(m->d.prefix, '%')) {
-        snprintf(err, errlen, "--set weight_prefix=%s: too long or contains %%", m->d.prefix);
-        return -1;
-    }
-    /* attention_bias biases all four projections (Qwen3); qkv_bias only q/k/v (Qwen2). */
-    a->qkv_bias |= a->o_bias;
-    if (!a->head_dim) a->head_dim = m->d.hidden / a->n_heads;
-    a->hidden = m->d.hidden;
-    a->eps = m->d.eps;
-    a->norm_offset = m->d.norm_offset;
     if (!(m->mixers = calloc((size_t)n + 1, 1)) || !(m->ffns = calloc((size_t)n + 1, 1)))
         return cb_oom(err, errlen, "the layer kinds");
-    const char *types = m->layer_types;
-    int linear = types && strstr(types, "linear_attention");
-    if (linear && setup_linear(m, hp, err, errlen)) return -1;
-    if (parse_layer_types(m, types, linear && !strcmp(m->projection, "split") ? 'S' : 'Q', err, errlen) ||
-        parse_mlp_only(m, m->mlp_only, err, errlen))
+    for (int l = 0; l < n; l++) m->mixers[l] = 'F', m->ffns[l] = (l + 1) % m->sparse_step ? 'D' : 'M';
+    if ((m->layer_types && cb_hp_layer_words("layer_types", m->layer_types, "full_attention=F,linear_attention=L", n,
+                                             m->mixers, err, errlen)) ||
+        cb_hp_layer_indices("mlp_only_layers", m->mlp_only, n, 'D', m->ffns, err, errlen) ||
+        (strchr(m->mixers, 'L') && setup_linear(m, hp, err, errlen)))
         return -1;
     m->d.ffn_layers = m->ffns;
     if (strchr(m->ffns, 'D') && m->d.inter < 1) {
         snprintf(err, errlen, "--set intermediate_size is required: the model has dense (non-MoE) layers");
         return -1;
     }
+    a->qkv_bias |= a->o_bias;  /* attention_bias biases all four projections (Qwen3); qkv_bias only q/k/v (Qwen2) */
+    if (!a->head_dim) a->head_dim = m->d.hidden / a->n_heads;
+    a->hidden = m->d.hidden, a->eps = m->d.eps, a->norm_offset = m->d.norm_offset;
     return cb_rope_init(&m->rope, hp, a->head_dim, 1, err, errlen);
 }
 
@@ -173,7 +131,7 @@ static int load_layer(void *ptr, int l, char *err, size_t errlen) {
     char prefix[320];
     if (m->mixers[l] == 'F') {
         L->kv_layer = m->n_full++;
-        return cb_gqa_init(&L->attn, &m->d.idx, cb_decoder_name(&m->d, prefix, sizeof prefix, "model.layers.%d.self_attn.", l),
+        return cb_gqa_init(&L->attn, &m->d.idx, cb_decoder_name(&m->d, prefix, sizeof prefix, SA, l),
                            &m->attn_cfg, &m->d.dense_bytes, err, errlen);
     }
     L->state_off = m->state;
@@ -243,7 +201,7 @@ static int mixer(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, size_t
     if (m->mixers[l] == 'F')
         cb_gqa_forward(&L->attn, &m->attn_scratch, m->d.proj, m->d.h, n, kv, L->kv_layer, pos0, &m->rope);
     else
-        linear_mixer(m, L, kv, n, m->mixers[l] == 'Q');
+        linear_mixer(m, L, kv, n, m->fused);
     return 0;
 }
 
