@@ -162,7 +162,13 @@ int cb_hp_layer_words(const char *key, const char *value, const char *words, int
         const char *end = strchr(s, ',');
         size_t len = end ? (size_t)(end - s) : strlen(s);
         if (!(out[l] = letter_of(words, s, len))) {
-            snprintf(err, errlen, "--set %s: entry %d must be one of %s (word=letter)", key, l, words);
+            char accepted[256];
+            size_t k = 0;
+            for (const char *w = words; *w && k + 2 < sizeof accepted; w++)
+                if (*w == '=') w++;                 /* skip the letter */
+                else accepted[k++] = *w == ',' ? ' ' : *w;
+            accepted[k] = 0;
+            snprintf(err, errlen, "--set %s: entry %d is %.*s, expected one of: %s", key, l, (int)len, s, accepted);
             return -1;
         }
         if (!end && l + 1 < n) {
