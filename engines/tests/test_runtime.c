@@ -460,6 +460,22 @@ static void test_layer_lists(void) {
           err);
 }
 
+/* A word from a list, as its index; absent: the default; another word: an error naming key and words. */
+static void test_hp_choice(void) {
+    typedef struct { int pick; } T;
+    static const cb_hp_spec table[] = {CB_HP_CHOICE_OF("layout", T, pick, "fused,split", 0), CB_HP_END};
+    char *keys[1] = {"layout"}, *values[1] = {"split"}, err[256];
+    int used[1] = {0};
+    cb_hparams hp = {1, keys, values, used};
+    T t = {-1};
+    CHECK(!cb_hp_read(&hp, table, &t, err, sizeof err) && t.pick == 1 && used[0], "%s", err);
+    values[0] = "both";
+    CHECK(cb_hp_read(&hp, table, &t, err, sizeof err) && strstr(err, "layout=both: expected one of fused,split"), "%s",
+          err);
+    hp.n = 0;
+    CHECK(!cb_hp_read(&hp, table, &t, err, sizeof err) && t.pick == 0, "%s", err);
+}
+
 /* A name's alternatives by layout, then the weight prefix in place of model. */
 static void test_decoder_names(void) {
     cb_decoder d;
@@ -494,6 +510,7 @@ int main(void) {
     test_sampler();
     test_rope_geometry();
     test_layer_lists();
+    test_hp_choice();
     test_decoder_names();
     cb_experts_io_shutdown();
     clear_tmp();

@@ -250,6 +250,10 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
         return -1;
     }
     if (r->setup && r->setup(m, a->hp, err, errlen)) return -1;
+    if (d->ffn_layers && strchr(d->ffn_layers, 'D') && d->inter < 1) {
+        snprintf(err, errlen, "--set intermediate_size is required: the model has dense (non-MoE) layers");
+        return -1;
+    }
     if (cb_st_open(&d->idx, a->model_dir, err, errlen)) return -1;
     const char *embed = r->embed_name ? r->embed_name : "model.embed_tokens.weight";
     pick_layout(d, embed);

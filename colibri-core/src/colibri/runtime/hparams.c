@@ -128,6 +128,25 @@ int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, si
         case CB_HP_STR:
             *(const char **)at = cb_hp_str_opt(hp, s->key, s->text);
             break;
+        case CB_HP_CHOICE: {
+            const char *v = cb_hp_str_opt(hp, s->key, NULL);
+            *(int *)at = (int)s->def;
+            if (!v) break;
+            int i = 0;
+            const char *w = s->text;
+            for (size_t len = strlen(v); *w; i++) {
+                const char *end = strchr(w, ',');
+                size_t wl = end ? (size_t)(end - w) : strlen(w);
+                if (wl == len && !strncmp(w, v, len)) break;
+                w = end ? end + 1 : w + wl;
+            }
+            if (!*w) {
+                snprintf(err, errlen, "--set %s=%s: expected one of %s", s->key, v, s->text);
+                return -1;
+            }
+            *(int *)at = i;
+            break;
+        }
         case CB_HP_LETTERS: {
             int n = *(const int *)(base + s->len_offset);
             const char *v = cb_hp_str_opt(hp, s->key, NULL);

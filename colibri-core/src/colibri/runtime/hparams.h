@@ -32,6 +32,7 @@ typedef enum {
     CB_HP_BOOL,                /* true/false/1/0, `def` when absent */
     CB_HP_STR,                 /* a string (owned by the cb_hparams), `text` when absent */
     CB_HP_LETTERS,             /* required: exactly one letter per layer from `text` (the int at len_offset) */
+    CB_HP_CHOICE,              /* one of the comma-separated words of `text`, as its index (an int); `def` absent */
 } cb_hp_type;
 
 enum { CB_HP_ANY = 0, CB_HP_POSITIVE = 1, CB_HP_NONNEG = 2 };
@@ -54,6 +55,7 @@ typedef struct {
 #define CB_HP_TEXT(key, T, f, def) {key, CB_HP_STR, offsetof(T, f), 0, CB_HP_ANY, def, 0}
 #define CB_HP_PER_LAYER(key, T, f, letters, n_field) \
     {key, CB_HP_LETTERS, offsetof(T, f), 0, CB_HP_ANY, letters, offsetof(T, n_field)}
+#define CB_HP_CHOICE_OF(key, T, f, words, def) {key, CB_HP_CHOICE, offsetof(T, f), def, CB_HP_ANY, words, 0}
 #define CB_HP_END {NULL, CB_HP_INT, 0, 0, CB_HP_ANY, NULL, 0}
 
 /* ---- per-layer lists in a config's own spellings, as one letter per layer ---- */

@@ -32,9 +32,9 @@ typedef struct {
 typedef struct {
     cb_decoder d;
     int sparse_step, n_full;
-    const char *layer_types, *mlp_only, *projection;   /* --set strings */
+    const char *layer_types, *mlp_only;   /* --set strings */
     char *mixers, *ffns;       /* per layer: F full attention / L DeltaNet; D dense / M MoE */
-    int fused, split;          /* the DeltaNet projections' layout */
+    int split, fused;          /* the DeltaNet projections' layout: qwen3_5's split, or qwen3_next's fused */
     cb_gqa_config attn_cfg;
     cb_deltanet_config dn_cfg;
     int kd, vd, nv, conv_w, qkvz_w, ba_w;   /* DeltaNet widths (0 without linear layers) */
@@ -61,7 +61,7 @@ static const cb_hp_spec HPARAMS[] = {
 };
 /* Read only when some layer is linear attention. */
 static const cb_hp_spec LINEAR_HPARAMS[] = {
-    CB_HP_TEXT("linear_projection", qwen, projection, "fused"),
+    CB_HP_CHOICE_OF("linear_projection", qwen, split, "fused,split", 0),
     CB_HP_REQ("linear_num_key_heads", qwen, dn_cfg.n_k_heads), CB_HP_REQ("linear_num_value_heads", qwen, dn_cfg.n_v_heads),
     CB_HP_REQ("linear_key_head_dim", qwen, dn_cfg.k_dim), CB_HP_REQ("linear_value_head_dim", qwen, dn_cfg.v_dim),
     CB_HP_OPT("linear_conv_kernel_dim", qwen, dn_cfg.kernel, 4, CB_HP_POSITIVE), CB_HP_END,
@@ -81,44 +81,25 @@ static const cb_tensor_spec TENSORS[] = {
     CB_TENSORS_END,
 };
 
-static int setup_linear(qwen *m, cb_hparams *hp, char *err, size_t errlen) {
-    cb_deltanet_config *c = &m->dn_cfg;
-    if (cb_hp_read(hp, LINEAR_HPARAMS, m, err, errlen)) return -1;
-    m->fused = !strcmp(m->projection, "fused");
-    m->split = !strcmp(m->projection, "split");
-    if (!m->fused && !m->split) {
-        snprintf(err, errlen, "--set linear_projection=%s: use fused (qwen3_next) or split (qwen3_5)", m->projection);
-        return -1;
-    }
-    c->eps = m->d.eps;
-    m->kd = c->n_k_heads * c->k_dim, m->vd = c->n_v_heads * c->v_dim, m->nv = c->n_v_heads;
-    m->conv_w = 2 * m->kd + m->vd, m->qkvz_w = 2 * m->kd + 2 * m->vd, m->ba_w = 2 * m->nv;
-    return 0;
-}
-
 /* Per layer: the mixer (layer_types, default all full) and the FFN (every decoder_sparse_step-th layer routes unless
- * mlp_only_layers makes it dense); then the attention's shape and RoPE. */
+ * mlp_only_layers makes it dense); the DeltaNet widths when a layer needs them; the attention's shape and RoPE. */
 static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     qwen *m = ptr;
     cb_gqa_config *a = &m->attn_cfg;
+    cb_deltanet_config *c = &m->dn_cfg;
     int n = m->d.n_layers;
-    if (a->n_heads % a->n_kv_heads) {
-        snprintf(err, errlen, "--set num_attention_heads must be a multiple of num_key_value_heads");
-        return -1;
-    }
     if (!(m->mixers = calloc((size_t)n + 1, 1)) || !(m->ffns = calloc((size_t)n + 1, 1)))
         return cb_oom(err, errlen, "the layer kinds");
     for (int l = 0; l < n; l++) m->mixers[l] = 'F', m->ffns[l] = (l + 1) % m->sparse_step ? 'D' : 'M';
     if ((m->layer_types && cb_hp_layer_words("layer_types", m->layer_types, "full_attention=F,linear_attention=L", n,
                                              m->mixers, err, errlen)) ||
         cb_hp_layer_indices("mlp_only_layers", m->mlp_only, n, 'D', m->ffns, err, errlen) ||
-        (strchr(m->mixers, 'L') && setup_linear(m, hp, err, errlen)))
+        (strchr(m->mixers, 'L') && cb_hp_read(hp, LINEAR_HPARAMS, m, err, errlen)))
         return -1;
     m->d.ffn_layers = m->ffns;
-    if (strchr(m->ffns, 'D') && m->d.inter < 1) {
-        snprintf(err, errlen, "--set intermediate_size is required: the model has dense (non-MoE) layers");
-        return -1;
-    }
+    m->fused = !m->split, c->eps = m->d.eps;
+    m->kd = c->n_k_heads * c->k_dim, m->vd = c->n_v_heads * c->v_dim, m->nv = c->n_v_heads;
+    m->conv_w = 2 * m->kd + m->vd, m->qkvz_w = 2 * m->kd + 2 * m->vd, m->ba_w = 2 * m->nv;
     a->qkv_bias |= a->o_bias;  /* attention_bias biases all four projections (Qwen3); qkv_bias only q/k/v (Qwen2) */
     if (!a->head_dim) a->head_dim = m->d.hidden / a->n_heads;
     a->hidden = m->d.hidden, a->eps = m->d.eps, a->norm_offset = m->d.norm_offset;
