@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "blocks.h"
+#include "decoder.h"
 #include "experts.h"
 #include "json.h"
 #include "safetensors.h"
@@ -440,6 +441,59 @@ static void test_rope_geometry(void) {
           strstr(err, "no dimensions"), "%s", err);
 }
 
+/* Per-layer lists in a config's spellings become one letter per layer; a bad entry names the key and the entry. */
+static void test_layer_lists(void) {
+    char out[8], err[256];
+    const char *words = "full_attention=F,linear_attention=L";
+    CHECK(!cb_hp_layer_words("layer_types", "linear_attention,full_attention,linear_attention", words, 3, out, err,
+                             sizeof err) && !strcmp(out, "LFL"), "%s", err);
+    CHECK(cb_hp_layer_words("layer_types", "full_attention,sliding", words, 2, out, err, sizeof err) &&
+          strstr(err, "entry 1 is sliding") && strstr(err, "full_attention linear_attention"), "%s", err);
+    CHECK(cb_hp_layer_words("layer_types", "full_attention", words, 2, out, err, sizeof err) &&
+          strstr(err, "1 entries for 2 layers"), "%s", err);
+    CHECK(cb_hp_layer_words("layer_types", "full_attention,full_attention,", words, 2, out, err, sizeof err) &&
+          strstr(err, "more entries"), "%s", err);
+    memcpy(out, "MMMM", 5);
+    CHECK(!cb_hp_layer_indices("mlp_only_layers", "0,3", 4, 'D', out, err, sizeof err) && !strcmp(out, "DMMD"), "%s",
+          err);
+    CHECK(cb_hp_layer_indices("mlp_only_layers", "4", 4, 'D', out, err, sizeof err) && strstr(err, "below 4"), "%s",
+          err);
+}
+
+/* A word from a list, as its index; absent: the default; another word: an error naming key and words. */
+static void test_hp_choice(void) {
+    typedef struct { int pick; } T;
+    static const cb_hp_spec table[] = {CB_HP_CHOICE_OF("layout", T, pick, "fused,split", 0), CB_HP_END};
+    char *keys[1] = {"layout"}, *values[1] = {"split"}, err[256];
+    int used[1] = {0};
+    cb_hparams hp = {1, keys, values, used};
+    T t = {-1};
+    CHECK(!cb_hp_read(&hp, table, &t, err, sizeof err) && t.pick == 1 && used[0], "%s", err);
+    values[0] = "both";
+    CHECK(cb_hp_read(&hp, table, &t, err, sizeof err) && strstr(err, "layout=both: expected one of fused,split"), "%s",
+          err);
+    hp.n = 0;
+    CHECK(!cb_hp_read(&hp, table, &t, err, sizeof err) && t.pick == 0, "%s", err);
+}
+
+/* A name's alternatives by layout, then the weight prefix in place of model. */
+static void test_decoder_names(void) {
+    cb_decoder d;
+    memset(&d, 0, sizeof d);
+    char buf[128];
+    const char *fmt = "model.layers.%d.attn_norm.weight|layers.%d.attn_norm.weight";
+    CHECK(!strcmp(cb_decoder_name(&d, buf, sizeof buf, fmt, 3), "model.layers.3.attn_norm.weight"), "%s", buf);
+    d.layout = 1;
+    CHECK(!strcmp(cb_decoder_name(&d, buf, sizeof buf, fmt, 3), "layers.3.attn_norm.weight"), "%s", buf);
+    CHECK(!strcmp(cb_decoder_name(&d, buf, sizeof buf, "head.weight", 0), "head.weight"), "fewer alternatives: %s",
+          buf);
+    d.layout = 0;
+    d.prefix = "model.language_model.";
+    CHECK(!strcmp(cb_decoder_format(&d, buf, sizeof buf, "model.layers.%d.mlp.experts.%d.up_proj.weight"),
+                  "model.language_model.layers.%d.mlp.experts.%d.up_proj.weight"), "%s", buf);
+    CHECK(!strcmp(cb_decoder_name(&d, buf, sizeof buf, "lm_head.weight", 0), "lm_head.weight"), "%s", buf);
+}
+
 int main(void) {
     setenv("COLIBRI_PREFETCH", "1", 1);   /* the expert test checks prefetching changes nothing */
     snprintf(tmpdir, sizeof tmpdir, "/tmp/cb-test-runtime-XXXXXX");
@@ -455,6 +509,9 @@ int main(void) {
     test_experts();
     test_sampler();
     test_rope_geometry();
+    test_layer_lists();
+    test_hp_choice();
+    test_decoder_names();
     cb_experts_io_shutdown();
     clear_tmp();
     rmdir(tmpdir);

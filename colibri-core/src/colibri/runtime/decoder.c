@@ -1,6 +1,7 @@
 /* decoder.c: see decoder.h. */
 #include "decoder.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,21 +14,125 @@ int cb_oom(char *err, size_t errlen, const char *what) {
     return -1;
 }
 
+/* ---- names in the checkpoint's layout ---- */
+
+static const char *format_in(const char *fmt, int layout, const char *prefix, char *buf, size_t size) {
+    const char *seg = fmt, *bar;
+    for (int i = 0; i < layout && (bar = strchr(seg, '|')); i++) seg = bar + 1;
+    bar = strchr(seg, '|');
+    int len = bar ? (int)(bar - seg) : (int)strlen(seg);
+    if (prefix && !strncmp(seg, "model.", 6)) snprintf(buf, size, "%s%.*s", prefix, len - 6, seg + 6);
+    else snprintf(buf, size, "%.*s", len, seg);
+    return buf;
+}
+
+const char *cb_decoder_format(const cb_decoder *d, char *buf, size_t size, const char *fmt) {
+    return format_in(fmt, d->layout, d->prefix, buf, size);
+}
+
+const char *cb_decoder_name(const cb_decoder *d, char *buf, size_t size, const char *fmt, int l) {
+    char f[NAME_LEN];
+    snprintf(buf, size, cb_decoder_format(d, f, sizeof f, fmt), l);
+    return buf;
+}
+
+/* Stored as a float / fp8 tensor, or quantized in a colibri-quant container (P.qweight for P.weight). */
+static int stored(const cb_st_index *idx, const char *name) {
+    if (cb_st_find(idx, name)) return 1;
+    size_t n = strlen(name);
+    if (n < 7 || strcmp(name + n - 7, ".weight")) return 0;
+    char q[NAME_LEN];
+    snprintf(q, sizeof q, "%.*s.qweight", (int)(n - 7), name);
+    return cb_st_find(idx, q) != NULL;
+}
+
+/* The first alternative of the embedding's name that is stored decides the layout (0 when none is: the load
+ * error then names the first). */
+static void pick_layout(cb_decoder *d, const char *embed) {
+    char name[NAME_LEN];
+    int n = 1;
+    for (const char *c = embed; *c; c++) n += *c == '|';
+    for (int i = 0; i < n; i++)
+        if (stored(&d->idx, format_in(embed, i, d->prefix, name, sizeof name))) {
+            d->layout = i;
+            return;
+        }
+}
+
 /* ---- declared tensors ---- */
 
 static int field_int(const void *model, size_t at) { return *(const int *)((const char *)model + at); }
+
+static int wanted(const cb_tensor_spec *t, const void *model, int l) {
+    if (t->when != CB_ALWAYS && !field_int(model, t->when)) return 0;
+    if (!t->on) return 1;
+    const char *letters = *(const char *const *)((const char *)model + t->letters);
+    return letters && strchr(t->on, letters[l]) != NULL;
+}
+
+/* An f32/bf16/f16 tensor of exactly [rows, cols], as f32. */
+static int load_table(float **out, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
+                      char *err, size_t errlen) {
+    int64_t dims[2] = {rows, cols};
+    const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
+    if (!t) return -1;
+    if (!t->supported) {
+        snprintf(err, errlen, "%s: dtype %s where f32/bf16/f16 is expected", name, t->dtype_name);
+        return -1;
+    }
+    return cb_load_f32(out, idx, t, (size_t)rows * (size_t)cols, bytes, err, errlen);
+}
+
+/* An I64/I32 tensor of exactly [rows, cols], as int32 (values outside int32 refused). */
+static int load_index(int32_t **out, const cb_st_index *idx, const char *name, int rows, int cols, char *err,
+                      size_t errlen) {
+    const cb_tensor *t = cb_st_find(idx, name);
+    if (!t) {
+        snprintf(err, errlen, "tensor %s not found in the checkpoint", name);
+        return -1;
+    }
+    int wide = !strcmp(t->dtype_name, "I64");
+    if ((!wide && strcmp(t->dtype_name, "I32")) || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+        snprintf(err, errlen, "%s: expected I64/I32 [%d, %d], found %s with %d dims", name, rows, cols, t->dtype_name,
+                 t->ndim);
+        return -1;
+    }
+    void *raw = cb_st_load(idx, t, err, errlen);
+    if (!raw) return -1;
+    size_t n = (size_t)rows * (size_t)cols;
+    if (!(*out = malloc(n * sizeof(int32_t)))) {
+        free(raw);
+        return cb_oom(err, errlen, name);
+    }
+    for (size_t i = 0; i < n; i++) {
+        int64_t v = wide ? ((const int64_t *)raw)[i] : ((const int32_t *)raw)[i];
+        if (v < INT32_MIN || v > INT32_MAX) {
+            free(raw);
+            snprintf(err, errlen, "%s: value %lld outside int32", name, (long long)v);
+            return -1;
+        }
+        (*out)[i] = (int32_t)v;
+    }
+    free(raw);
+    return 0;
+}
 
 int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
                     size_t *bytes, char *err, size_t errlen) {
     char name[NAME_LEN];
     for (const cb_tensor_spec *t = table; t->name; t++) {
-        if (t->when != CB_ALWAYS && !field_int(model, t->when)) continue;
-        snprintf(name, sizeof name, t->name, l);
+        if (!wanted(t, model, l)) continue;
+        cb_decoder_name(model, name, sizeof name, t->name, l);
         void *at = (char *)layer + t->at;
-        int rows = field_int(model, t->rows);
-        int rc = t->kind == CB_TENSOR_LINEAR
-                     ? cb_load_linear(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen)
-                     : cb_load_vector(at, idx, name, rows, bytes, err, errlen);
+        int rows = field_int(model, t->rows), rc;
+        if (t->kind == CB_TENSOR_LINEAR)
+            rc = cb_load_linear(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
+        else if (t->kind == CB_TENSOR_TABLE)
+            rc = load_table(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
+        else if (t->kind == CB_TENSOR_INDEX)
+            rc = load_index(at, idx, name, rows, field_int(model, t->cols), err, errlen);
+        else
+            rc = cb_load_vector(at, idx, name, rows, bytes, err, errlen);
         if (rc) return -1;
     }
     return 0;
@@ -47,64 +152,87 @@ void cb_free_tensors(void *layer, const cb_tensor_spec *table) {
 
 /* ---- loading ---- */
 
-static int load_vector_fmt(float **out, cb_decoder *d, const char *fmt, int l, char *err, size_t errlen) {
+/* A decoder norm (1 + w when zero-centred). */
+static int load_norm(float **out, cb_decoder *d, const char *fmt, int l, char *err, size_t errlen) {
     char name[NAME_LEN];
-    snprintf(name, sizeof name, fmt, l);
-    return cb_load_vector(out, &d->idx, name, d->hidden, &d->dense_bytes, err, errlen);
+    if (cb_load_vector(out, &d->idx, cb_decoder_name(d, name, sizeof name, fmt, l), d->hidden, &d->dense_bytes, err,
+                       errlen))
+        return -1;
+    if (d->norm_offset)
+        for (int i = 0; i < d->hidden; i++) (*out)[i] += 1.0f;
+    return 0;
 }
 
 /* A dense layer's prefix: the first candidate whose gate_proj is stored (as float, or quantized in a container),
  * else the last (whose missing tensor the load error then names). */
-static const char *dense_prefix(const cb_decoder *d, const cb_recipe *r, int l) {
+static const char *dense_prefix(const cb_decoder *d, const cb_recipe *r, int l, char *out, size_t size) {
     const char *last = "model.layers.%d.mlp.";
     for (int i = 0; i < 3 && r->dense_prefixes[i]; i++) {
         last = r->dense_prefixes[i];
-        char stem[PREFIX_LEN], name[NAME_LEN];
-        snprintf(stem, sizeof stem, r->dense_prefixes[i], l);
-        snprintf(name, sizeof name, "%sgate_proj.weight", stem);
-        if (cb_st_find(&d->idx, name)) return r->dense_prefixes[i];
-        snprintf(name, sizeof name, "%sgate_proj.qweight", stem);
-        if (cb_st_find(&d->idx, name)) return r->dense_prefixes[i];
+        char name[NAME_LEN];
+        cb_decoder_name(d, out, size, last, l);
+        snprintf(name, sizeof name, "%sgate_proj.weight", out);
+        if (stored(&d->idx, name)) return out;
     }
-    return last;
+    return cb_decoder_name(d, out, size, last, l);
+}
+
+void cb_decoder_add_experts(cb_decoder *d, cb_expert_layer *store) {
+    d->expert_layers[d->n_expert_layers++] = store;
+    d->cache_bytes += cb_experts_cache_bytes(store);
+}
+
+/* OLMoE-style softmax routing over <prefix>experts.<e>.<leaf>.weight. */
+static int load_moe(cb_decoder *d, cb_ffn *f, int l, const char *moe_fmt, char *err, size_t errlen) {
+    char prefix[PREFIX_LEN], router[NAME_LEN], mats[3][NAME_LEN];
+    static const char *const default_leaves[3] = {"gate_proj", "up_proj", "down_proj"};
+    const char *const *leaves = d->moe.expert_mats ? d->moe.expert_mats : default_leaves;
+    snprintf(prefix, sizeof prefix, moe_fmt, l);
+    snprintf(router, sizeof router, "%sgate.weight", prefix);
+    for (int m = 0; m < 3; m++) snprintf(mats[m], sizeof mats[m], "%sexperts.%%d.%s.weight", moe_fmt, leaves[m]);
+    const char *const names[3] = {mats[0], mats[1], mats[2]};
+    const cb_grouped_moe_shape *s = &d->moe;
+    if (cb_moe_init(&f->moe, &d->idx, l, router, names, s->n_experts, s->top_k, s->norm_topk_prob, d->hidden,
+                    s->inter, d->cap, d->max_batch, &d->dense_bytes, err, errlen))
+        return -1;
+    f->moe.swiglu_limit = d->expert_limit;
+    return 0;
+}
+
+/* The recipe's always-on shared expert beside a softmax-routed layer (Qwen's, under a sigmoid gate). */
+static int load_shared(cb_decoder *d, const cb_recipe *r, cb_ffn *f, int l, char *err, size_t errlen) {
+    char prefix[PREFIX_LEN], gate[NAME_LEN];
+    cb_decoder_name(d, prefix, sizeof prefix, r->shared_prefix ? r->shared_prefix : "model.layers.%d.mlp.shared_expert.",
+                    l);
+    if (r->shared_gate) cb_decoder_name(d, gate, sizeof gate, r->shared_gate, l);
+    return cb_mlp_init(&f->shared, &d->idx, prefix, r->shared_gate ? gate : NULL, d->hidden, d->shared_inter,
+                       d->max_batch, &d->dense_bytes, err, errlen);
 }
 
 static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t errlen) {
     cb_ffn *f = &d->ffn[l];
-    const char *moe_prefix = r->moe_prefix ? r->moe_prefix : "model.layers.%d.mlp.";
-    char name[PREFIX_LEN];
+    char moe_fmt[PREFIX_LEN], name[PREFIX_LEN];
+    cb_decoder_format(d, moe_fmt, sizeof moe_fmt, r->moe_prefix ? r->moe_prefix : "model.layers.%d.mlp.");
     if (d->ffn_layers && d->ffn_layers[l] == 'D') {
-        snprintf(name, sizeof name, dense_prefix(d, r, l), l);
-        if (cb_swiglu_init(&f->dense, &d->idx, name, d->hidden, d->inter, d->max_batch, &d->dense_bytes, err,
-                           errlen))
+        if (cb_swiglu_init(&f->dense, &d->idx, dense_prefix(d, r, l, name, sizeof name), d->hidden, d->inter,
+                           d->max_batch, &d->dense_bytes, err, errlen))
             return -1;
         f->kind = CB_FFN_DENSE;
         return 0;
     }
-    cb_expert_layer *store;
+    if (r->routed == CB_FFN_NONE) return 0;
     if (r->routed == CB_FFN_GROUPED) {
-        if (cb_grouped_moe_init(&f->grouped, &d->idx, l, moe_prefix, &d->moe, 1, d->cap, d->max_batch,
+        if (cb_grouped_moe_init(&f->grouped, &d->idx, l, moe_fmt, &d->moe, 1, d->cap, d->max_batch,
                                 &d->dense_bytes, err, errlen))
             return -1;
-        store = &f->grouped.moe.store;
-    } else {
-        char router[NAME_LEN], mats[3][NAME_LEN];
-        static const char *const default_leaves[3] = {"gate_proj", "up_proj", "down_proj"};
-        const char *const *leaves = d->moe.expert_mats ? d->moe.expert_mats : default_leaves;
-        snprintf(name, sizeof name, moe_prefix, l);
-        snprintf(router, sizeof router, "%sgate.weight", name);
-        for (int m = 0; m < 3; m++) snprintf(mats[m], sizeof mats[m], "%sexperts.%%d.%s.weight", moe_prefix, leaves[m]);
-        const char *const names[3] = {mats[0], mats[1], mats[2]};
-        const cb_grouped_moe_shape *s = &d->moe;
-        if (cb_moe_init(&f->moe, &d->idx, l, router, names, s->n_experts, s->top_k, s->norm_topk_prob, d->hidden,
-                        s->inter, d->cap, d->max_batch, &d->dense_bytes, err, errlen))
-            return -1;
-        store = &f->moe.store;
+        f->kind = CB_FFN_GROUPED;
+        cb_decoder_add_experts(d, &f->grouped.moe.store);
+        return 0;
     }
-    f->kind = r->routed;
-    d->expert_layers[d->n_expert_layers++] = store;
-    d->cache_bytes += cb_experts_cache_bytes(store);
-    return 0;
+    if (load_moe(d, f, l, moe_fmt, err, errlen)) return -1;
+    f->kind = CB_FFN_MOE;
+    cb_decoder_add_experts(d, &f->moe.store);
+    return d->shared_inter ? load_shared(d, r, f, l, err, errlen) : 0;
 }
 
 static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
@@ -116,15 +244,30 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->cap = a->cap;
     if (cb_hp_read(a->hp, r->hparams, m, err, errlen)) return -1;
     d->moe.hidden = d->hidden;
+    if (d->prefix && (strlen(d->prefix) >= PREFIX_LEN / 4 || strchr(d->prefix, '%'))) {
+        snprintf(err, errlen, "--set weight_prefix=%s: over %d characters or contains %%", d->prefix,
+                 PREFIX_LEN / 4 - 1);
+        return -1;
+    }
     if (r->setup && r->setup(m, a->hp, err, errlen)) return -1;
+    if (d->ffn_layers && strchr(d->ffn_layers, 'D') && d->inter < 1) {
+        snprintf(err, errlen, "--set intermediate_size is required: the model has dense (non-MoE) layers");
+        return -1;
+    }
     if (cb_st_open(&d->idx, a->model_dir, err, errlen)) return -1;
-    if (cb_load_linear(&d->embed, &d->idx, "model.embed_tokens.weight", d->vocab, d->hidden, &d->dense_bytes, err,
-                       errlen) ||
-        cb_load_vector(&d->final_norm, &d->idx, "model.norm.weight", d->hidden, &d->dense_bytes, err, errlen))
+    const char *embed = r->embed_name ? r->embed_name : "model.embed_tokens.weight";
+    pick_layout(d, embed);
+    char name[NAME_LEN];
+    if (cb_load_linear(&d->embed, &d->idx, cb_decoder_name(d, name, sizeof name, embed, 0), d->vocab, d->hidden,
+                       &d->dense_bytes, err, errlen) ||
+        load_norm(&d->final_norm, d, r->norm_name ? r->norm_name : "model.norm.weight", 0, err, errlen) ||
+        (r->model_tensors && cb_load_tensors(m, m, r->model_tensors, 0, &d->idx, &d->dense_bytes, err, errlen)))
         return -1;
     if (d->tied) d->lm_head = d->embed;
-    else if (cb_load_linear(&d->lm_head, &d->idx, "lm_head.weight", d->vocab, d->hidden, &d->dense_bytes, err,
-                            errlen))
+    else if (cb_load_linear(&d->lm_head, &d->idx,
+                            cb_decoder_name(d, name, sizeof name, r->lm_head_name ? r->lm_head_name : "lm_head.weight",
+                                            0),
+                            d->vocab, d->hidden, &d->dense_bytes, err, errlen))
         return -1;
     size_t L = (size_t)d->n_layers;
     char *layers = calloc(L, r->layer_size);
@@ -134,9 +277,11 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->ffn = calloc(L, sizeof *d->ffn);
     d->expert_layers = calloc(L, sizeof *d->expert_layers);
     if (!layers || !d->attn_norm || !d->ffn_norm || !d->ffn || !d->expert_layers) return cb_oom(err, errlen, "layers");
+    const char *attn_norm = r->attn_norm_name ? r->attn_norm_name : "model.layers.%d.input_layernorm.weight";
+    const char *ffn_norm = r->ffn_norm_name ? r->ffn_norm_name : "model.layers.%d.post_attention_layernorm.weight";
     for (int l = 0; l < d->n_layers; l++)
-        if (load_vector_fmt(&d->attn_norm[l], d, "model.layers.%d.input_layernorm.weight", l, err, errlen) ||
-            load_vector_fmt(&d->ffn_norm[l], d, "model.layers.%d.post_attention_layernorm.weight", l, err, errlen) ||
+        if (load_norm(&d->attn_norm[l], d, attn_norm, l, err, errlen) ||
+            load_norm(&d->ffn_norm[l], d, ffn_norm, l, err, errlen) ||
             (r->tensors && cb_load_tensors(layers + (size_t)l * r->layer_size, m, r->tensors, l, &d->idx,
                                            &d->dense_bytes, err, errlen)) ||
             (r->load_layer && r->load_layer(m, l, err, errlen)) || load_ffn(d, r, l, err, errlen))
@@ -145,7 +290,8 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->x = malloc(B * H * sizeof(float));
     d->h = malloc(B * H * sizeof(float));
     d->proj = malloc(B * H * sizeof(float));
-    if (!d->x || !d->h || !d->proj) return cb_oom(err, errlen, "activations");
+    if (d->shared_inter) d->shared_out = malloc(B * H * sizeof(float));
+    if (!d->x || !d->h || !d->proj || (d->shared_inter && !d->shared_out)) return cb_oom(err, errlen, "activations");
     for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) {
         float **buf = (float **)((char *)m + s->at);
         size_t floats = B * (size_t)s->mult * (size_t)field_int(m, s->width);
@@ -184,6 +330,7 @@ void cb_decoder_unload(void *model) {
         if (r->free_layer) r->free_layer(model, layer);
     }
     if (r->free_model) r->free_model(model);
+    if (r->model_tensors) cb_free_tensors(model, r->model_tensors);
     for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) free(*(float **)((char *)model + s->at));
     free(layers);
     for (int l = 0; l < d->n_layers; l++) {
@@ -192,7 +339,7 @@ void cb_decoder_unload(void *model) {
         cb_ffn *f = d->ffn ? &d->ffn[l] : NULL;
         if (!f) continue;
         if (f->kind == CB_FFN_DENSE) cb_swiglu_free(&f->dense);
-        else if (f->kind == CB_FFN_MOE) cb_moe_free(&f->moe);
+        else if (f->kind == CB_FFN_MOE) cb_moe_free(&f->moe), cb_mlp_free(&f->shared);
         else if (f->kind == CB_FFN_GROUPED) cb_grouped_moe_free(&f->grouped);
     }
     free(d->attn_norm);
@@ -205,6 +352,7 @@ void cb_decoder_unload(void *model) {
     free(d->x);
     free(d->h);
     free(d->proj);
+    free(d->shared_out);
     cb_st_close(&d->idx);
     free(model);
 }
@@ -217,6 +365,7 @@ static void norm_rows(cb_decoder *d, float *out, const float *x, const float *w,
 }
 
 void cb_decoder_embed(cb_decoder *d, const int *tokens, int n) {
+    d->tokens = tokens;
     for (int i = 0; i < n; i++) cb_embed(d->x + (size_t)i * (size_t)d->hidden, &d->embed, tokens[i]);
 }
 
@@ -224,14 +373,29 @@ void cb_decoder_attn_norm(cb_decoder *d, int l, int n) { norm_rows(d, d->h, d->x
 
 void cb_decoder_residual(cb_decoder *d, int n) { cb_add(d->x, d->proj, (size_t)n * (size_t)d->hidden); }
 
-int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
+static int routed_forward(cb_decoder *d, cb_moe *moe, int l, int n, char *err, size_t errlen) {
+    int (*route)(void *, int, cb_moe *, const float *, int, char *, size_t) = d->recipe->route;
+    if (!route) return cb_moe_forward(moe, d->proj, d->h, n, err, errlen);
+    return route(d, l, moe, d->h, n, err, errlen) ? -1 : cb_moe_experts_forward(moe, d->proj, d->h, n, err, errlen);
+}
+
+int cb_decoder_ffn_block(cb_decoder *d, int l, int n, char *err, size_t errlen) {
     cb_ffn *f = &d->ffn[l];
-    norm_rows(d, d->h, d->x, d->ffn_norm[l], n);
     int rc = 0;
     if (f->kind == CB_FFN_DENSE) cb_swiglu_forward(&f->dense, d->proj, d->h, n);
-    else if (f->kind == CB_FFN_MOE) rc = cb_moe_forward(&f->moe, d->proj, d->h, n, err, errlen);
+    else if (f->kind == CB_FFN_MOE) rc = routed_forward(d, &f->moe, l, n, err, errlen);
     else rc = cb_grouped_moe_forward(&f->grouped, d->proj, d->h, n, err, errlen);
     if (rc) return -1;
+    if (f->shared.inter) {
+        cb_mlp_forward(&f->shared, d->shared_out, d->h, n);
+        cb_add(d->proj, d->shared_out, (size_t)n * (size_t)d->hidden);
+    }
+    return 0;
+}
+
+int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
+    norm_rows(d, d->h, d->x, d->ffn_norm[l], n);
+    if (cb_decoder_ffn_block(d, l, n, err, errlen)) return -1;
     cb_decoder_residual(d, n);
     return 0;
 }

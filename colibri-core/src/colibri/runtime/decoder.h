@@ -14,8 +14,10 @@
  *     static const cb_family fam = {"name", my_load, cb_decoder_forward, cb_decoder_unload};
  *
  * with my_load calling cb_decoder_load(out, &recipe, ...). Tensor names are the
- * Hugging Face Llama layout (model.embed_tokens, model.layers.<l>.input_layernorm, ..., lm_head); the FFN prefixes
- * are the recipe's.
+ * Hugging Face Llama layout (model.embed_tokens, model.layers.<l>.input_layernorm, ..., lm_head) unless the recipe
+ * names its own (other checkpoint layouts: cb_decoder_name); the FFN prefixes are the recipe's. A family whose
+ * residual differs (several streams, say) loads through the decoder and writes its own forward from the pieces
+ * below (cb_decoder_embed, the per-layer norms, cb_decoder_logits).
  */
 #ifndef COLIBRI_DECODER_H
 #define COLIBRI_DECODER_H
@@ -26,36 +28,61 @@
 #include "family.h"
 #include "grouped_moe.h"
 #include "hparams.h"
+#include "mlp.h"
 #include "swiglu.h"
 
 /* ---- per-layer tensors, declared ---- */
 
-typedef enum { CB_TENSOR_LINEAR = 0, CB_TENSOR_VECTOR = 1 } cb_tensor_kind;
+typedef enum {
+    CB_TENSOR_LINEAR = 0,      /* a cb_linear [rows, cols] in its stored form */
+    CB_TENSOR_VECTOR = 1,      /* a float * of rows f32 values */
+    CB_TENSOR_TABLE = 2,       /* a float * of an f32/bf16/f16 [rows, cols] tensor (mixing maps, position tables) */
+    CB_TENSOR_INDEX = 3,       /* an int32_t * of an I64/I32 [rows, cols] tensor (token -> expert tables) */
+} cb_tensor_kind;
 
 #define CB_ALWAYS ((size_t)-1)
 
 /* One tensor of a layer. The name is a printf format of the layer index; rows and cols are the offsets of int fields
  * of the model struct (a vector has rows elements); `when` is the offset of an int flag of the model struct (the
- * tensor is loaded only when it is non-zero), or CB_ALWAYS. */
+ * tensor is loaded only when it is non-zero), or CB_ALWAYS; with `on` set, the tensor is loaded only on layers whose
+ * letter in the model struct's per-layer string at `letters` (a const char *, e.g. a CB_HP_PER_LAYER key) is one of
+ * `on`'s letters. Names follow the decoder's layout rules (cb_decoder_name). */
 typedef struct {
     const char *name;          /* NULL ends a table */
     cb_tensor_kind kind;
     size_t at;                 /* offset of the cb_linear / float * in the layer struct */
     size_t rows, cols;
     size_t when;
+    size_t letters;
+    const char *on;
 } cb_tensor_spec;
 
 #define CB_LINEAR(name, LT, f, MT, rows, cols) \
-    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS}
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, 0, NULL}
 #define CB_LINEAR_IF(name, LT, f, MT, rows, cols, flag) \
-    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), offsetof(MT, flag)}
-#define CB_VECTOR(name, LT, f, MT, n) {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, CB_ALWAYS}
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), offsetof(MT, flag), 0, NULL}
+#define CB_VECTOR(name, LT, f, MT, n) {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, CB_ALWAYS, 0, NULL}
 #define CB_VECTOR_IF(name, LT, f, MT, n, flag) \
-    {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, offsetof(MT, flag)}
-#define CB_TENSORS_END {NULL, CB_TENSOR_LINEAR, 0, 0, 0, 0}
+    {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, offsetof(MT, flag), 0, NULL}
+#define CB_TABLE(name, LT, f, MT, rows, cols) \
+    {name, CB_TENSOR_TABLE, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, 0, NULL}
+/* Loaded only on the layers whose letter in the model's string field `letters` is in `on` (e.g. "HC"). */
+#define CB_LINEAR_ON(name, LT, f, MT, rows, cols, letters, on) \
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
+/* Both: the flag set and the layer's letter in `on`. */
+#define CB_LINEAR_IF_ON(name, LT, f, MT, rows, cols, flag, letters, on) \
+    {name, CB_TENSOR_LINEAR, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), offsetof(MT, flag), \
+     offsetof(MT, letters), on}
+#define CB_VECTOR_ON(name, LT, f, MT, n, letters, on) \
+    {name, CB_TENSOR_VECTOR, offsetof(LT, f), offsetof(MT, n), 0, CB_ALWAYS, offsetof(MT, letters), on}
+#define CB_INDEX_ON(name, LT, f, MT, rows, cols, letters, on) \
+    {name, CB_TENSOR_INDEX, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
+#define CB_TABLE_ON(name, LT, f, MT, rows, cols, letters, on) \
+    {name, CB_TENSOR_TABLE, offsetof(LT, f), offsetof(MT, rows), offsetof(MT, cols), CB_ALWAYS, offsetof(MT, letters), on}
+#define CB_TENSORS_END {NULL, CB_TENSOR_LINEAR, 0, 0, 0, 0, 0, NULL}
 
-/* Load the table's tensors of layer l into the layer struct (shapes from the model struct), adding their bytes to
- * *bytes. 0, or -1 naming the tensor. */
+/* Load the table's tensors of layer l into the layer struct (shapes from the model struct: a recipe's, whose
+ * cb_decoder names them), adding their bytes to *bytes. 0, or -1 naming the tensor. */
 int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
                     size_t *bytes, char *err, size_t errlen);
 /* Free what cb_load_tensors loaded (or any part of it). */
@@ -76,12 +103,14 @@ typedef struct {
 
 /* ---- the feed-forward half of a layer ---- */
 
+/* CB_FFN_NONE as a recipe's `routed`: the family loads and runs its routed layers' FFN itself (its own router). */
 typedef enum { CB_FFN_NONE = 0, CB_FFN_DENSE, CB_FFN_MOE, CB_FFN_GROUPED } cb_ffn_kind;
 
 typedef struct {
     cb_ffn_kind kind;
     cb_swiglu dense;           /* CB_FFN_DENSE */
     cb_moe moe;                /* CB_FFN_MOE: softmax over all experts, top-k (OLMoE) */
+    cb_mlp shared;             /* CB_FFN_MOE with shared_inter: an always-on shared expert, optionally sigmoid-gated */
     cb_grouped_moe grouped;    /* CB_FFN_GROUPED: grouped sigmoid routing + shared experts (DeepSeek-V3 style) */
 } cb_ffn;
 
@@ -94,6 +123,12 @@ typedef struct {
     int inter;                 /* a dense layer's SwiGLU width */
     cb_grouped_moe_shape moe;  /* routed experts: count, top-k, width and routing */
     const char *ffn_layers;    /* one letter per layer, D dense / M MoE; NULL: every layer routed */
+    int shared_inter;          /* CB_FFN_MOE: the shared expert's width (0: none) */
+    int norm_offset;           /* every decoder norm is stored zero-centred: its scale is 1 + w (Qwen3-Next) */
+    const char *prefix;        /* the checkpoint's text-model prefix in place of "model." (NULL: model.) */
+    int layout;                /* which alternative of every '|'-separated name the checkpoint uses (cb_decoder_name) */
+    float expert_limit;        /* > 0: the routed experts' SwiGLU is clamped (cb_moe.swiglu_limit) */
+    const int *tokens;         /* the current forward call's tokens (cb_decoder_embed), for token-routed layers */
     /* from the load arguments */
     int max_batch, ctx, cap;
     cb_st_index idx;
@@ -105,6 +140,7 @@ typedef struct {
     int n_expert_layers;
     size_t dense_bytes, cache_bytes;
     float *x, *h, *proj;                /* max_batch x hidden */
+    float *shared_out;                  /* max_batch x hidden, with a shared expert */
     const struct cb_recipe *recipe;
 } cb_decoder;
 
@@ -154,6 +190,17 @@ typedef struct cb_recipe {
     /* free what the family allocated beyond the tensors table: per layer, then the model's own (may be NULL) */
     void (*free_layer)(void *model, void *layer);
     void (*free_model)(void *model);
+    /* The decoder's own names, printf formats of the layer where per layer (NULL: the Llama layout's
+     * model.embed_tokens.weight, model.norm.weight, lm_head.weight, model.layers.%d.input_layernorm.weight,
+     * model.layers.%d.post_attention_layernorm.weight). */
+    const char *embed_name, *norm_name, *lm_head_name, *attn_norm_name, *ffn_norm_name;
+    const cb_tensor_spec *model_tensors;   /* tensors of the model as a whole, into the model struct (may be NULL) */
+    /* CB_FFN_MOE with shared_inter > 0: the shared expert's prefix and its [1, hidden] sigmoid gate (NULL: none);
+     * printf formats of the layer */
+    const char *shared_prefix, *shared_gate;
+    /* CB_FFN_MOE: the family's router, in place of softmax top-k: fill moe->chosen and moe->weight (n rows x top_k)
+     * for the normed rows h of layer l (d->tokens are their tokens); 0 or -1 with a message (may be NULL) */
+    int (*route)(void *model, int l, cb_moe *moe, const float *h, int n, char *err, size_t errlen);
 } cb_recipe;
 
 /* Load a model as the recipe says into *out; on failure everything built is freed and -1 carries the message. */
@@ -166,16 +213,31 @@ int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos
 /* Free a recipe's model (a cb_family's free). */
 void cb_decoder_unload(void *model);
 
-/* x = embedding rows of tokens[0..n). */
+/* x = embedding rows of tokens[0..n); d->tokens = tokens. */
 void cb_decoder_embed(cb_decoder *d, const int *tokens, int n);
 /* h = rmsnorm(x) with layer l's input_layernorm: the mixer's input. */
 void cb_decoder_attn_norm(cb_decoder *d, int l, int n);
 /* x += proj: the mixer's output, which it wrote into d->proj. */
 void cb_decoder_residual(cb_decoder *d, int n);
+/* proj = ffn(h) of layer l, h already normed (a family with its own residual calls this). 0, or -1 with a message. */
+int cb_decoder_ffn_block(cb_decoder *d, int l, int n, char *err, size_t errlen);
 /* x += ffn(rmsnorm(x)) of layer l. 0, or -1 with a message (an expert read failed). */
 int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen);
 /* logits = lm_head(rmsnorm(x)) of every row when all_logits, else of the last. */
 void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits);
+
+/* Checkpoint layouts. A name (any format the decoder or a table gives) may list alternatives separated by '|', one
+ * per layout the recipe reads, in the same order everywhere (e.g. "model.layers.%d.attn_norm.weight|layers.%d.
+ * attn_norm.weight"); the layout is the first alternative of the embedding's name that the checkpoint stores, and
+ * every name is then taken in that layout (a name with fewer alternatives: its last). A set d->prefix (the family's
+ * weight_prefix key, e.g. model.language_model. for a text model inside a multimodal checkpoint) then replaces the
+ * leading "model." of the name. */
+/* The format fmt in the checkpoint's layout and prefix, into buf (printf arguments untouched). */
+const char *cb_decoder_format(const cb_decoder *d, char *buf, size_t size, const char *fmt);
+/* cb_decoder_format, then formatted with the layer l. */
+const char *cb_decoder_name(const cb_decoder *d, char *buf, size_t size, const char *fmt, int l);
+/* Register an expert store the family loaded itself (CB_FFN_NONE): counted in the stats and the cache bytes. */
+void cb_decoder_add_experts(cb_decoder *d, cb_expert_layer *store);
 
 /* An out-of-memory message for what; returns -1. */
 int cb_oom(char *err, size_t errlen, const char *what);

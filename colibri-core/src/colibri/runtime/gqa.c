@@ -9,6 +9,11 @@
 int cb_gqa_init(cb_gqa *a, const cb_st_index *idx, const char *prefix, const cb_gqa_config *c, size_t *dense_bytes,
                 char *err, size_t errlen) {
     memset(a, 0, sizeof *a);
+    if (c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads) {
+        snprintf(err, errlen, "--set num_attention_heads=%d must be a multiple of num_key_value_heads=%d", c->n_heads,
+                 c->n_kv_heads);
+        return -1;
+    }
     a->c = *c;
     int hd = c->head_dim, qw = c->n_heads * hd, kw = c->n_kv_heads * hd, qrows = c->output_gate ? 2 * qw : qw;
     char name[320];

@@ -128,6 +128,25 @@ int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, si
         case CB_HP_STR:
             *(const char **)at = cb_hp_str_opt(hp, s->key, s->text);
             break;
+        case CB_HP_CHOICE: {
+            const char *v = cb_hp_str_opt(hp, s->key, NULL);
+            *(int *)at = (int)s->def;
+            if (!v) break;
+            int i = 0;
+            const char *w = s->text;
+            for (size_t len = strlen(v); *w; i++) {
+                const char *end = strchr(w, ',');
+                size_t wl = end ? (size_t)(end - w) : strlen(w);
+                if (wl == len && !strncmp(w, v, len)) break;
+                w = end ? end + 1 : w + wl;
+            }
+            if (!*w) {
+                snprintf(err, errlen, "--set %s=%s: expected one of %s", s->key, v, s->text);
+                return -1;
+            }
+            *(int *)at = i;
+            break;
+        }
         case CB_HP_LETTERS: {
             int n = *(const int *)(base + s->len_offset);
             const char *v = cb_hp_str_opt(hp, s->key, NULL);
@@ -139,6 +158,62 @@ int cb_hp_read(cb_hparams *hp, const cb_hp_spec *table, void *dst, char *err, si
             break;
         }
         }
+    }
+    return 0;
+}
+
+/* The letter of the word value[0..len) in words ("word=L,word=L"), or 0. */
+static char letter_of(const char *words, const char *value, size_t len) {
+    for (const char *w = words; *w;) {
+        const char *eq = strchr(w, '='), *end = strchr(w, ',');
+        if (!eq) return 0;
+        if ((size_t)(eq - w) == len && !strncmp(w, value, len)) return eq[1];
+        if (!end) return 0;
+        w = end + 1;
+    }
+    return 0;
+}
+
+int cb_hp_layer_words(const char *key, const char *value, const char *words, int n, char *out, char *err,
+                      size_t errlen) {
+    const char *s = value;
+    for (int l = 0; l < n; l++) {
+        const char *end = strchr(s, ',');
+        size_t len = end ? (size_t)(end - s) : strlen(s);
+        if (!(out[l] = letter_of(words, s, len))) {
+            char accepted[256];
+            size_t k = 0;
+            for (const char *w = words; *w && k + 2 < sizeof accepted; w++)
+                if (*w == '=') w++;                 /* skip the letter */
+                else accepted[k++] = *w == ',' ? ' ' : *w;
+            accepted[k] = 0;
+            snprintf(err, errlen, "--set %s: entry %d is %.*s, expected one of: %s", key, l, (int)len, s, accepted);
+            return -1;
+        }
+        if (!end && l + 1 < n) {
+            snprintf(err, errlen, "--set %s: %d entries for %d layers", key, l + 1, n);
+            return -1;
+        }
+        s = end ? end + 1 : s + len;
+    }
+    if (*s || (s > value && s[-1] == ',')) {
+        snprintf(err, errlen, "--set %s: more entries than the %d layers", key, n);
+        return -1;
+    }
+    out[n] = 0;
+    return 0;
+}
+
+int cb_hp_layer_indices(const char *key, const char *value, int n, char letter, char *out, char *err, size_t errlen) {
+    for (const char *s = value; *s;) {
+        char *end;
+        long l = strtol(s, &end, 10);
+        if (end == s || l < 0 || l >= n || (*end && *end != ',')) {
+            snprintf(err, errlen, "--set %s: expected comma-separated layer indices below %d", key, n);
+            return -1;
+        }
+        out[l] = letter;
+        s = *end ? end + 1 : end;
     }
     return 0;
 }

@@ -32,6 +32,7 @@ typedef enum {
     CB_HP_BOOL,                /* true/false/1/0, `def` when absent */
     CB_HP_STR,                 /* a string (owned by the cb_hparams), `text` when absent */
     CB_HP_LETTERS,             /* required: exactly one letter per layer from `text` (the int at len_offset) */
+    CB_HP_CHOICE,              /* one of the comma-separated words of `text`, as its index (an int); `def` absent */
 } cb_hp_type;
 
 enum { CB_HP_ANY = 0, CB_HP_POSITIVE = 1, CB_HP_NONNEG = 2 };
@@ -54,7 +55,18 @@ typedef struct {
 #define CB_HP_TEXT(key, T, f, def) {key, CB_HP_STR, offsetof(T, f), 0, CB_HP_ANY, def, 0}
 #define CB_HP_PER_LAYER(key, T, f, letters, n_field) \
     {key, CB_HP_LETTERS, offsetof(T, f), 0, CB_HP_ANY, letters, offsetof(T, n_field)}
+#define CB_HP_CHOICE_OF(key, T, f, words, def) {key, CB_HP_CHOICE, offsetof(T, f), def, CB_HP_ANY, words, 0}
 #define CB_HP_END {NULL, CB_HP_INT, 0, 0, CB_HP_ANY, NULL, 0}
+
+/* ---- per-layer lists in a config's own spellings, as one letter per layer ---- */
+
+/* value: one comma-separated word per layer (a config's layer_types, e.g. "full_attention,linear_attention");
+ * words: each accepted word and its letter ("full_attention=F,linear_attention=L"). out[0..n) = the letters, NUL
+ * after them (out holds n + 1). 0, or -1 with a message naming --set key and the entry. */
+int cb_hp_layer_words(const char *key, const char *value, const char *words, int n, char *out, char *err,
+                      size_t errlen);
+/* value: comma-separated layer indices below n (a config's mlp_only_layers; "" none): out[l] = letter for each. */
+int cb_hp_layer_indices(const char *key, const char *value, int n, char letter, char *out, char *err, size_t errlen);
 
 /* Fill dst from hp as the table says, in table order (a letters key's length field must come before it): 0, or -1
  * with a message naming the key and what it must be. */
