@@ -126,3 +126,54 @@ def test_unknown_class_and_missing_component(tiny, engine, tmp_path):
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="'FluxPipeline' is not supported.*QwenImagePipeline"):
         Pipeline(copy, engine)
+
+
+def coli(*args: str, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_coli_run_writes_a_png(tiny, engine, tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "bird.png"
+    done = coli("run", "--model", str(tiny.path), "a hummingbird in the rain", "--out", str(out), "--size", "64x32",
+                "--steps", "3", "--seed", "9", "--negative-prompt", "blurry", "--guidance", "3.5")
+    assert done.returncode == 0, done.stderr
+    assert "3/3" in done.stderr and "s/step" in done.stderr
+    assert str(out) in done.stderr and "peak RSS" in done.stderr
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (64, 32)
+        pixels = np.asarray(image)
+    req = Request("a hummingbird in the rain", width=64, height=32, steps=3, seed=9, negative_prompt="blurry",
+                  guidance=3.5)
+    assert np.array_equal(pixels, Pipeline(tiny.path, engine).generate(req))
+    assert [p.name for p in tmp_path.iterdir()] == ["bird.png"]   # nothing left half-written
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--size", "100x64"], "--size 100x64: the width must be a multiple of 32"),
+    (["--size", "wide"], "--size 'wide': not WIDTHxHEIGHT"),
+    (["--steps", "0"], "--steps 0: must be between 1 and 1000"),
+])
+def test_coli_run_refuses_bad_flags_in_one_line(tiny, tmp_path, args, message):
+    done = coli("run", "--model", str(tiny.path), "x", "--out", str(tmp_path / "x.png"), *args)
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {message}") and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.png").exists()
+
+
+def test_coli_run_names_a_missing_component_and_an_unknown_class(tiny, tmp_path):
+    copy = tmp_path / "pipe"
+    shutil.copytree(tiny.path, copy)
+    shutil.rmtree(copy / "transformer")
+    done = coli("run", "--model", str(copy), "x", "--out", str(tmp_path / "x.png"))
+    assert done.returncode == 1 and "transformer: component folder missing" in done.stderr
+    index = json.loads((copy / "model_index.json").read_text())
+    index["_class_name"] = "FluxPipeline"
+    (copy / "model_index.json").write_text(json.dumps(index))
+    done = coli("run", "--model", str(copy), "x", "--out", str(tmp_path / "x.png"))
+    assert done.returncode == 1 and "'FluxPipeline' is not supported; colibri-image runs QwenImagePipeline" in \
+        done.stderr
