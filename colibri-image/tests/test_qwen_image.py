@@ -101,6 +101,18 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, negative):
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
 
 
+@pytest.mark.parametrize("negative", [None, "blurry"])
+def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
+    req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative)
+    ours = Pipeline(tiny.path, engine, weights="int8").generate(req).astype(np.float64)
+    _, theirs = run_reference(reference, req)
+    mse = ((ours - theirs.astype(np.float64)) ** 2).mean()
+    psnr = 10 * np.log10(255.0 ** 2 / mse) if mse else float("inf")
+    print(f"int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
+    assert psnr > 35.0
+    assert not np.array_equal(ours, Pipeline(tiny.path, engine).generate(req))   # int8 really ran
+
+
 def test_same_seed_same_image_across_threads(tiny, engine):
     req = Request("a red square", width=SIZE, height=SIZE, steps=2, seed=11)
     one = Pipeline(tiny.path, engine, threads=1).generate(req)
@@ -141,7 +153,7 @@ def test_coli_run_writes_a_png(tiny, engine, tmp_path):
 
     out = tmp_path / "bird.png"
     done = coli("run", "--model", str(tiny.path), "a hummingbird in the rain", "--out", str(out), "--size", "64x32",
-                "--steps", "3", "--seed", "9", "--negative-prompt", "blurry", "--guidance", "3.5")
+                "--steps", "3", "--seed", "9", "--negative-prompt", "blurry", "--guidance", "3.5", "--weights", "f32")
     assert done.returncode == 0, done.stderr
     assert "3/3" in done.stderr and "s/step" in done.stderr
     assert str(out) in done.stderr and "peak RSS" in done.stderr

@@ -19,7 +19,8 @@ from .convert.spec import spec_from_layout
 from .planner import plan
 from .prompt import render_conversation
 from .records import (
-    TEXT_GENERATION, ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
+    TEXT_GENERATION, ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet,
+    TensorLayout,
 )
 from .tokenizer import load_tokenizer_dir
 

@@ -14,6 +14,7 @@ from colibri.records import ResolvedModel, RunOption
 DEFAULT_STEPS = 50
 DEFAULT_SIZE = (1024, 1024)
 DEFAULT_GUIDANCE = 4.0
+DEFAULT_WEIGHTS = "int8"
 
 
 def run_options() -> list[RunOption]:
@@ -23,6 +24,8 @@ def run_options() -> list[RunOption]:
         RunOption("--steps", f"Text-to-image: denoising steps (default {DEFAULT_STEPS}).", int, "N"),
         RunOption("--negative-prompt", "Text-to-image: what to steer away from (true classifier-free guidance).",
                   str, "TEXT"),
+        RunOption("--weights", "Text-to-image: int8 (text encoder and transformer matrices per row at load; the "
+                               "default) or f32.", str, "int8|f32"),
         RunOption("--guidance", f"Text-to-image: true CFG scale with a negative prompt (default "
                                 f"{DEFAULT_GUIDANCE}).", float, "G"),
     ]
@@ -51,12 +54,12 @@ def request_from(prompt: str, options: Mapping[str, Any]) -> Any:
                    guidance=DEFAULT_GUIDANCE if options.get("guidance") is None else float(options["guidance"]))
 
 
-def open_pipeline(model: ResolvedModel, threads: int | None) -> Any:
+def open_pipeline(model: ResolvedModel, threads: int | None, weights: str | None = None) -> Any:
     from colibri import builder
 
     from .pipeline import Pipeline
 
-    pipe = Pipeline(model.path, Path("."), threads)   # configs and folders checked before anything is built
+    pipe = Pipeline(model.path, Path("."), threads, weights or DEFAULT_WEIGHTS)   # configs and folders checked before anything is built
     engine = builder.engine_for_model(model)
     if engine is None:
         raise UsageError(f"{model.path}: no engine for this pipeline", "coli families lists what colibri-image runs")
@@ -79,7 +82,7 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
     if not out_path.parent.is_dir():
         raise UsageError(f"--out {out}: the folder {out_path.parent} does not exist", "create it first")
     req = request_from(prompt, options)
-    pipe = open_pipeline(model, options.get("threads"))
+    pipe = open_pipeline(model, options.get("threads"), options.get("weights"))
     pipe.check(req)
     started = time.monotonic()
     step_started = [started]

@@ -19,7 +19,7 @@ def torch_randn(seed: int, count: int) -> np.ndarray:
     """``torch.randn(count, generator=torch.Generator().manual_seed(seed))`` as float32 (count >= 16)."""
     if count < 16:
         raise ValueError("torch_randn reproduces the block path (16 or more elements) only")
-    bits = np.random.RandomState(seed & 0xFFFFFFFF)._bit_generator.random_raw(count + 16)   # type: ignore[attr-defined]
+    bits = np.random.RandomState(seed & 0xFFFFFFFF)._bit_generator.random_raw(count + 16)
     uniform = ((bits & ((1 << 24) - 1)).astype(np.float64) * 2.0 ** -24).astype(np.float32)
     data = uniform[:count].astype(np.float64)
     whole = count - count % 16

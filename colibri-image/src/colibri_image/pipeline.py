@@ -32,6 +32,7 @@ TEMPLATE_DROP = 34               # QwenImagePipeline.prompt_template_encode_star
 TOKENIZER_MAX = 1024             # QwenImagePipeline.tokenizer_max_length
 MAX_SEQUENCE = 512               # __call__'s max_sequence_length default
 MIN_SIDE, MAX_SIDE, SIZE_STEP = 32, 4096, 32
+WEIGHTS = ("int8", "f32")        # int8: the text encoder's and the transformer's matrices per row at load
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 class Pipeline:
     """One pipeline directory: its configs read and checked, its engine binary known."""
 
-    def __init__(self, model_dir: Path, engine: Path, threads: int | None = None):
+    def __init__(self, model_dir: Path, engine: Path, threads: int | None = None, weights: str = "f32"):
         self.dir = Path(model_dir)
         self.engine = engine
         self.threads = threads or 0
+        if weights not in WEIGHTS:
+            raise UsageError(f"--weights {weights}: not a weight mode", f"use one of {', '.join(WEIGHTS)}")
+        self.weights = weights
         index = _read_json(self.dir / "model_index.json")
         cls = index.get("_class_name")
         if cls not in SUPPORTED:
@@ -258,7 +262,8 @@ class Stage:
     """One engine process for one component; its stderr kept in a file to explain a death."""
 
     def __init__(self, pipe: Pipeline, stage: str, component: str, args: list[str]):
-        self.cmd = [str(pipe.engine), stage, str(pipe.dir / component), *args, f"threads={pipe.threads}"]
+        self.cmd = [str(pipe.engine), stage, str(pipe.dir / component), *args, f"threads={pipe.threads}",
+                    f"int8={int(pipe.weights == 'int8')}"]
         self.name = f"{stage} stage ({component}/)"
 
     def __enter__(self) -> "Stage":

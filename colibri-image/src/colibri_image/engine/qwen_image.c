@@ -18,6 +18,8 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "qlinear.h"
+#include "quant.h"
 #include "safetensors.h"
 
 #define MAX_ARGS 64
@@ -30,6 +32,7 @@ typedef struct {
 
 static char g_err[512];
 static cb_st_index g_idx;
+static int g_int8;      /* int8=1: the stage's matrices quantized per row at load (the VAE is always f32) */
 
 static const char *arg_str(const args_t *a, const char *key) {
     for (int i = 0; i < a->n; i++)
@@ -66,11 +69,60 @@ static int read_i32(int32_t *v) { return read_all(v, 4); }
 /* ------------------------------------------------------------------------------------------------ weights */
 
 typedef struct {
-    const void *w;
+    const void *w;     /* stored dtype, or (int8) the levels followed by the F16 scales */
     cb_dtype dt;
     int rows, cols;
     float *b;          /* bias (f32) or NULL */
+    int quantized;
+    cb_qmatrix q;
 } linear_t;
+
+/* IEEE half from float, round to nearest even (the scales' storage, as colibri-quant containers keep them). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+    if (mag >= 0x47800000u) return (uint16_t)(sign | (mag > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (mag < 0x38800000u) {   /* subnormal half */
+        float a = fabsf(f) * 16777216.0f;   /* 2^24: units of the smallest subnormal */
+        return (uint16_t)(sign | (uint16_t)nearbyintf(a));
+    }
+    uint32_t rounded = mag + 0x0fffu + ((mag >> 13) & 1u);
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+/* Replace a float matrix by int8 levels per row with one F16 scale (absmax / 127), as int8-row containers. */
+static int quantize_linear(linear_t *l) {
+    size_t rows = (size_t)l->rows, cols = (size_t)l->cols;
+    uint8_t *buf = malloc(rows * cols + rows * 2);
+    float *row = malloc(cols * sizeof(float));
+    if (!buf || !row) { free(buf); free(row); snprintf(g_err, sizeof g_err, "out of memory quantizing"); return -1; }
+    int8_t *levels = (int8_t *)buf;
+    uint16_t *scales = (uint16_t *)(buf + rows * cols);
+    size_t esz = cb_dtype_size(l->dt);
+    for (size_t r = 0; r < rows; r++) {
+        cb_convert_to_f32(row, (const char *)l->w + r * cols * esz, l->dt, cols);
+        float amax = 0.0f;
+        for (size_t c = 0; c < cols; c++) amax = fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
+        uint16_t h = f32_to_f16(amax / 127.0f);
+        float s = cb_f16_to_f32(h);
+        memcpy(&scales[r], &h, 2);
+        for (size_t c = 0; c < cols; c++) {
+            float v = s > 0.0f ? nearbyintf(row[c] / s) : 0.0f;
+            levels[r * cols + c] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+    }
+    free(row);
+    free((void *)l->w);
+    l->w = buf;
+    l->quantized = 1;
+    l->q.scheme = CB_Q8_ROW;
+    l->q.rows = l->rows;
+    l->q.cols = l->cols;
+    l->q.q = levels;
+    l->q.scales = scales;
+    return 0;
+}
 
 static const cb_tensor *find(const char *name) {
     const cb_tensor *t = cb_st_find(&g_idx, name);
@@ -120,6 +172,8 @@ static int load_linear(linear_t *l, const char *prefix, int rows, int cols, int 
     l->rows = rows;
     l->cols = cols;
     l->b = NULL;
+    l->quantized = 0;
+    if (g_int8 && quantize_linear(l)) return -1;
     if (bias) {
         snprintf(name, sizeof name, "%s.bias", prefix);
         if (!(l->b = load_f32(name, (size_t)rows))) return -1;
@@ -134,7 +188,8 @@ static void free_linear(linear_t *l) {
 
 /* Y[n, rows] = X[n, cols] W^T + b */
 static void linear(const linear_t *l, float *Y, const float *X, int n) {
-    cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
+    if (l->quantized) cb_qlinear_apply(&l->q, Y, X, n);
+    else cb_matmul(Y, l->w, l->dt, X, n, l->rows, l->cols);
     if (l->b)
         for (int i = 0; i < n; i++)
             for (int r = 0; r < l->rows; r++) Y[(size_t)i * l->rows + r] += l->b[r];
@@ -762,13 +817,14 @@ int main(int argc, char **argv) {
         a.key[a.n] = argv[i];
         a.val[a.n++] = eq + 1;
         if (!strcmp(argv[i], "threads")) threads = atoi(eq + 1);
+        if (!strcmp(argv[i], "int8")) g_int8 = atoi(eq + 1) != 0;
     }
     if (cb_st_open(&g_idx, argv[2], g_err, sizeof g_err)) { fprintf(stderr, "error: %s\n", g_err); return 1; }
     cb_threads_init(threads);
     int rc;
     if (!strcmp(argv[1], "text")) rc = run_text(&a);
     else if (!strcmp(argv[1], "dit")) rc = run_dit(&a);
-    else if (!strcmp(argv[1], "vae")) rc = run_vae(&a);
+    else if (!strcmp(argv[1], "vae")) { g_int8 = 0; rc = run_vae(&a); }
     else { snprintf(g_err, sizeof g_err, "unknown stage %s", argv[1]); rc = -1; }
     cb_st_close(&g_idx);
     if (rc) { fprintf(stderr, "error: %s\n", g_err); return 1; }
