@@ -59,7 +59,8 @@ def open_pipeline(model: ResolvedModel, threads: int | None, weights: str | None
 
     from .pipeline import Pipeline
 
-    pipe = Pipeline(model.path, Path("."), threads, weights or DEFAULT_WEIGHTS)   # configs and folders checked before anything is built
+    # configs and folders are checked before anything is built
+    pipe = Pipeline(model.path, Path("."), threads, weights or DEFAULT_WEIGHTS)
     engine = builder.engine_for_model(model)
     if engine is None:
         raise UsageError(f"{model.path}: no engine for this pipeline", "coli families lists what colibri-image runs")
