@@ -294,11 +294,15 @@ class Stage:
         why = lines[-1] if lines else f"exit status {code}"
         raise EngineError(f"the engine's {self.name} died: {why}", "see the message; rerun to retry")
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
         if self.proc.stdin:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
-        self.proc.wait()
-        self.log.close()
+        code = self.proc.wait()
+        try:
+            if code != 0 and kind is None:   # answered everything, then failed (a sanitizer's report, say)
+                self._died()
+        finally:
+            self.log.close()

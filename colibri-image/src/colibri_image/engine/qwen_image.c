@@ -391,6 +391,20 @@ static int load_dit(dit_t *m, const args_t *a) {
     return 0;
 }
 
+static void free_dit(dit_t *m) {
+    linear_t *top[] = {&m->t1, &m->t2, &m->img_in, &m->txt_in, &m->norm_out, &m->proj_out};
+    for (size_t i = 0; i < sizeof top / sizeof *top; i++) free_linear(top[i]);
+    for (int l = 0; l < m->layers; l++) {
+        dit_block_t *b = &m->B[l];
+        linear_t *ls[] = {&b->img_mod, &b->txt_mod, &b->to_q, &b->to_k, &b->to_v, &b->add_q, &b->add_k, &b->add_v,
+                          &b->to_out, &b->to_add_out, &b->img_fc1, &b->img_fc2, &b->txt_fc1, &b->txt_fc2};
+        for (size_t i = 0; i < sizeof ls / sizeof *ls; i++) free_linear(ls[i]);
+        free(b->norm_q); free(b->norm_k); free(b->norm_added_q); free(b->norm_added_k);
+    }
+    free(m->B);
+    free(m->txt_norm);
+}
+
 /* LayerNorm without affine (eps 1e-6), then x * (1 + scale) + shift. */
 static void norm_modulate(float *out, const float *x, int n, int D, const float *shift, const float *scale) {
     for (int i = 0; i < n; i++) {
@@ -454,6 +468,7 @@ static int run_dit(const args_t *a) {
     int N = gh * gw;
     int32_t tlen[2];
     float *txt[2] = {NULL, NULL}, *txt_cs[2] = {NULL, NULL};
+    tlen[1] = 0;
     int max_vid = gh / 2 > gw / 2 ? gh / 2 : gw / 2;
     for (int t = 0; t < ntext; t++) {
         if (read_i32(&tlen[t]) || tlen[t] <= 0 || tlen[t] > 4096) { snprintf(g_err, sizeof g_err, "bad text");
@@ -482,7 +497,7 @@ static int run_dit(const args_t *a) {
             rope_section(c + m.axes[0], y - (gh - gh / 2), m.axes[1]);
             rope_section(c + m.axes[0] + m.axes[1], x - (gw - gw / 2), m.axes[2]);
         }
-    int maxT = tlen[0] > (ntext > 1 ? tlen[1] : 0) ? tlen[0] : tlen[1];
+    int maxT = tlen[0] > tlen[1] ? tlen[0] : tlen[1];
     int S = maxT + N;
     float *lat = FALLOC((size_t)N * m.in_ch), *img = FALLOC((size_t)N * D), *tx = FALLOC((size_t)maxT * D);
     float *nrm = FALLOC((size_t)S * D), *q = FALLOC((size_t)S * D), *k = FALLOC((size_t)S * D),
@@ -558,6 +573,10 @@ static int run_dit(const args_t *a) {
         if (write_all(out, sizeof(float) * (size_t)N * 4 * m.out_ch)) return -1;
         fflush(stdout);
     }
+    float *scratch[] = {img_cs, lat, img, tx, nrm, q, k, v, att, tmp, ff, scores, tproj, temb, stemb, imod, tmod,
+                        omod, out, txt[0], txt[1], txt_cs[0], txt_cs[1]};
+    for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) free(scratch[i]);
+    free_dit(&m);
     return 0;
 }
 
@@ -590,6 +609,11 @@ static int load_conv(conv_t *c, const char *prefix, int cin, int cout, int three
     free(all);
     snprintf(name, sizeof name, "%s.bias", prefix);
     return (c->b = load_f32(name, (size_t)cout)) ? 0 : -1;
+}
+
+static void free_conv(conv_t *c) {
+    free(c->w);
+    free(c->b);
 }
 
 typedef struct {
@@ -668,6 +692,12 @@ static int load_res(resblock_t *r, const char *p, int cin, int cout) {
     r->has_sc = cin != cout;
     snprintf(name, sizeof name, "%s.conv_shortcut", p);
     return r->has_sc ? load_conv(&r->sc, name, cin, cout, 1) : 0;
+}
+
+static void free_res(resblock_t *r) {
+    free(r->g1); free(r->g2);
+    free_conv(&r->c1); free_conv(&r->c2);
+    if (r->has_sc) free_conv(&r->sc);
 }
 
 /* x[cin, hw] -> returns new buffer [cout, hw] */
@@ -800,6 +830,15 @@ static int run_vae(const args_t *a) {
         fflush(stdout);
         free(img);
     }
+    conv_t *convs[] = {&pq, &cin, &cout, &mattn.qkv, &mattn.proj};
+    for (size_t i = 0; i < sizeof convs / sizeof *convs; i++) free_conv(convs[i]);
+    free_res(&mid0);
+    free_res(&mid1);
+    for (int i = 0; i < nmult; i++) {
+        for (int r = 0; r <= nres; r++) free_res(&res[i * (nres + 1) + r]);
+        if (i != nmult - 1) free_conv(&ups[i]);
+    }
+    free(res); free(ups); free(gout); free(mattn.gamma);
     return 0;
 }
 
