@@ -8,7 +8,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,21 +22,16 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 PIL = pytest.importorskip("PIL.Image")
 
+from colibri.daemon import free_port  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 
 COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tiny = tiny_model("qwen-image", tmp_path_factory.mktemp("tiny-qwen-serve"))
-    port = free_port()
+    port = free_port("127.0.0.1", 18700 + os.getpid() % 1000)
     proc = subprocess.Popen([*COLI, "serve", "--model", str(tiny.path), "--port", str(port), "--api-key", "sk-test",
                              "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
@@ -53,7 +47,7 @@ def server(tmp_path_factory):
     else:
         proc.kill()
         raise AssertionError("server did not come up")
-    yield base, proc
+    yield base, proc, str(tiny.path)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=20)
@@ -72,7 +66,7 @@ def generate(base: str, seed: int, steps: int = 2, size: str = "32x32") -> bytes
 
 
 def test_openai_client_gets_a_png_and_the_seed_fixes_it(server):
-    base, _ = server
+    base = server[0]
     first = generate(base, seed=3)
     image = PIL.open(io.BytesIO(first))
     assert image.format == "PNG" and image.size == (32, 32) and image.mode == "RGB"
@@ -81,7 +75,7 @@ def test_openai_client_gets_a_png_and_the_seed_fixes_it(server):
 
 
 def test_bad_requests_name_their_field(server):
-    base, _ = server
+    base = server[0]
     auth = {"Authorization": "Bearer sk-test"}
     for body, field in (({"prompt": "x", "size": "33x32"}, "size"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "response_format": "url"}, "response_format"),
@@ -92,7 +86,7 @@ def test_bad_requests_name_their_field(server):
 
 
 def test_stream_reports_every_step(server):
-    base, _ = server
+    base = server[0]
     events = []
     with httpx.stream("POST", f"{base}/v1/images/generations", timeout=60,
                       headers={"Authorization": "Bearer sk-test"},
@@ -107,24 +101,21 @@ def test_stream_reports_every_step(server):
     assert PIL.open(io.BytesIO(base64.b64decode(done["data"][0]["b64_json"]))).size == (32, 32)
 
 
-def engine_children(server_pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def dit_stages(model_dir: str) -> list[int]:
+    """Engine processes running this pipeline's transformer stage (their command line names its folder)."""
+    wanted = f"\x00dit\x00{model_dir}/transformer\x00".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
+            if wanted in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server_pid and b"colibri-qwen-image" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return pids
 
 
 def test_engine_killed_mid_generation_fails_that_request_only(server):
-    base, proc = server
+    base, _, model_dir = server
     outcome: dict = {}
 
     def slow() -> None:
@@ -137,10 +128,9 @@ def test_engine_killed_mid_generation_fails_that_request_only(server):
     deadline = time.monotonic() + 60
     killed = False
     while time.monotonic() < deadline and not killed:
-        for pid in engine_children(proc.pid):
-            if b"\x00dit\x00" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
-                killed = True
+        for pid in dit_stages(model_dir):
+            os.kill(pid, signal.SIGKILL)
+            killed = True
         time.sleep(0.05)
     worker.join(timeout=120)
     assert killed

@@ -9,7 +9,6 @@ exits before the next stage starts, so peak RAM is the largest component plus ac
 
 from __future__ import annotations
 
-import json
 import struct
 import subprocess
 import tempfile
@@ -56,12 +55,9 @@ class Trace:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})", "restore the pipeline's component configs") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})", "restore the file from the pipeline") from None
+    from .plugin import read_json_object
+
+    data = read_json_object(path, "restore the pipeline's component configs")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: not a JSON object", "restore the file from the pipeline")
     return data

@@ -38,15 +38,20 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
     return Claim(FAMILY, MODEL_TYPE, f"{MARKER} present (diffusers pipeline)")
 
 
+def read_json_object(path: Path, missing_hint: str) -> Any:
+    """A pipeline JSON file, parsed; a clear ConfigError naming it when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})", missing_hint) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})", f"restore {path.name} from the pipeline") from None
+
+
 def read_model_index(model_dir: Path) -> dict[str, Any]:
     """The parsed ``model_index.json``; a clear ConfigError when it is missing or malformed."""
     path = Path(model_dir) / MARKER
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})", "point --model at a diffusers pipeline") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})", "restore model_index.json from the pipeline") from None
+    data = read_json_object(path, "point --model at a diffusers pipeline")
     if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
         raise ConfigError(f"{path}: no '_class_name' naming the pipeline class",
                           "restore model_index.json from the pipeline")

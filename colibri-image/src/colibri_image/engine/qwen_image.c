@@ -157,15 +157,21 @@ static float *load_f32(const char *name, size_t expect) {
     return out;
 }
 
+/* A [rows, cols] matrix by name, NULL with a message naming it when missing or of another shape. */
+static const cb_tensor *find_matrix(const char *name, int rows, int cols) {
+    const cb_tensor *t = find(name);
+    if (t && (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)) {
+        snprintf(g_err, sizeof g_err, "tensor %s: shape differs from [%d, %d]", name, rows, cols);
+        return NULL;
+    }
+    return t;
+}
+
 static int load_linear(linear_t *l, const char *prefix, int rows, int cols, int bias) {
     char name[256];
     snprintf(name, sizeof name, "%s.weight", prefix);
-    const cb_tensor *t = find(name);
+    const cb_tensor *t = find_matrix(name, rows, cols);
     if (!t) return -1;
-    if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
-        snprintf(g_err, sizeof g_err, "tensor %s: shape differs from [%d, %d]", name, rows, cols);
-        return -1;
-    }
     l->w = cb_st_load(&g_idx, t, g_err, sizeof g_err);
     if (!l->w) return -1;
     l->dt = t->dtype;
@@ -244,12 +250,8 @@ static int run_text(const args_t *a) {
         return -1;
     char name[256];
     snprintf(name, sizeof name, "%sembed_tokens.weight", prefix);
-    const cb_tensor *emb_t = find(name);
+    const cb_tensor *emb_t = find_matrix(name, vocab, hidden);
     if (!emb_t) return -1;
-    if (emb_t->ndim != 2 || emb_t->shape[0] != vocab || emb_t->shape[1] != hidden) {
-        snprintf(g_err, sizeof g_err, "tensor %s: shape differs from [%d, %d]", name, vocab, hidden);
-        return -1;
-    }
     text_layer_t *L = xalloc(sizeof(text_layer_t) * (size_t)layers);
     for (int l = 0; l < layers; l++) {
         char p[200];
@@ -424,6 +426,23 @@ static float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
+/* x[i] += gate * y[i] for n rows of D (the blocks' gated residuals). */
+static void gated_add(float *x, const float *gate, const float *y, int n, int D) {
+    for (int i = 0; i < n; i++)
+        for (int d = 0; d < D; d++) x[(size_t)i * D + d] += gate[d] * y[(size_t)i * D + d];
+}
+
+/* One stream's feed-forward: x += gate * fc2(gelu_tanh(fc1(norm(x) * (1 + scale) + shift))), with mod pointing
+ * at that stream's (shift, scale, gate) for the second half of the block. */
+static void feed_forward(float *x, int n, int D, int F, const float *mod, const linear_t *fc1, const linear_t *fc2,
+                         float *nrm, float *ff, float *tmp) {
+    norm_modulate(nrm, x, n, D, mod, mod + D);
+    linear(fc1, ff, nrm, n);
+    for (size_t i = 0; i < (size_t)n * F; i++) ff[i] = gelu_tanh(ff[i]);
+    linear(fc2, tmp, ff, n);
+    gated_add(x, mod + 2 * D, tmp, n, D);
+}
+
 /* RMSNorm per head (eps 1e-6) then complex rotation of pairs (2i, 2i+1) by cs[pos] (cos, sin interleaved). */
 static void qk_norm_rope(float *x, int n, int heads, int hd, const float *w, const float *cs) {
     for (int i = 0; i < n; i++)
@@ -547,24 +566,11 @@ static int run_dit(const args_t *a) {
                 attend(att + (size_t)h * hd, q + (size_t)h * hd, k + (size_t)h * hd, v + (size_t)h * hd,
                        T + N, T + N, hd, D, D, D, D, 0, scores);
             linear(&b->to_add_out, tmp, att, T);
-            for (int i = 0; i < T; i++)
-                for (int d = 0; d < D; d++) tx[(size_t)i * D + d] += tmod[2 * D + d] * tmp[(size_t)i * D + d];
+            gated_add(tx, tmod + 2 * D, tmp, T, D);
             linear(&b->to_out, tmp, att + (size_t)T * D, N);
-            for (int i = 0; i < N; i++)
-                for (int d = 0; d < D; d++) img[(size_t)i * D + d] += imod[2 * D + d] * tmp[(size_t)i * D + d];
-            /* feed-forward, GELU (tanh) */
-            norm_modulate(nrm, img, N, D, imod + 3 * D, imod + 4 * D);
-            linear(&b->img_fc1, ff, nrm, N);
-            for (size_t i = 0; i < (size_t)N * F; i++) ff[i] = gelu_tanh(ff[i]);
-            linear(&b->img_fc2, tmp, ff, N);
-            for (int i = 0; i < N; i++)
-                for (int d = 0; d < D; d++) img[(size_t)i * D + d] += imod[5 * D + d] * tmp[(size_t)i * D + d];
-            norm_modulate(nrm, tx, T, D, tmod + 3 * D, tmod + 4 * D);
-            linear(&b->txt_fc1, ff, nrm, T);
-            for (size_t i = 0; i < (size_t)T * F; i++) ff[i] = gelu_tanh(ff[i]);
-            linear(&b->txt_fc2, tmp, ff, T);
-            for (int i = 0; i < T; i++)
-                for (int d = 0; d < D; d++) tx[(size_t)i * D + d] += tmod[5 * D + d] * tmp[(size_t)i * D + d];
+            gated_add(img, imod + 2 * D, tmp, N, D);
+            feed_forward(img, N, D, F, imod + 3 * D, &b->img_fc1, &b->img_fc2, nrm, ff, tmp);
+            feed_forward(tx, T, D, F, tmod + 3 * D, &b->txt_fc1, &b->txt_fc2, nrm, ff, tmp);
         }
         /* AdaLayerNormContinuous: chunks (scale, shift) */
         linear(&m.norm_out, omod, temb, 1);
