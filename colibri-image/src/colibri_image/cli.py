@@ -87,12 +87,15 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
     pipe.check(req)
     started = time.monotonic()
     step_started = [started]
+    step_seconds: list[float] = []
     with Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                   TimeElapsedColumn(), console=_stderr_console(), transient=bool(options.get("json"))) as bar:
         task = bar.add_task("denoising", total=req.steps, rate="")
 
         def progress(done: int, total: int) -> None:
             now = time.monotonic()
+            if done > 1:   # the first step's time includes starting the stage and loading its weights
+                step_seconds.append(now - step_started[0])
             rate = f"{(now - step_started[0]):.2f} s/step"
             step_started[0] = now
             bar.update(task, completed=done, rate=rate)
@@ -103,7 +106,8 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
     peak = peak_rss_bytes()
     if options.get("json"):
         emit_json({"path": str(out_path), "width": req.width, "height": req.height, "steps": req.steps,
-                   "seed": req.seed, "seconds": elapsed, "peak_rss_bytes": peak})
+                   "seed": req.seed, "seconds": elapsed, "peak_rss_bytes": peak,
+                   "s_per_step": sum(step_seconds) / len(step_seconds) if step_seconds else None})
     else:
         from colibri.console import human_bytes
 
