@@ -43,8 +43,8 @@ def build(out: Path, layers: int) -> Path:
         text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=1, num_attention_heads=28,
                   num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                           "mrope_section": [16, 24, 24]}),
-        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
-                 latents_mean=[0.0] * 16, latents_std=[1.0] * 16))
+        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16))
     tmp.rename(out)
     return out
 
