@@ -209,27 +209,47 @@ static void *xalloc(size_t n) {
 
 #define FALLOC(n) ((float *)xalloc((size_t)(n) * sizeof(float)))
 
-/* Softmax attention of one head: out[i] = sum_j softmax_j(q_i . k_j * scale) v_j, over rows with strides. */
-static void attend(float *out, const float *q, const float *k, const float *v, int nq, int nk, int dim,
-                   size_t q_stride, size_t k_stride, size_t v_stride, size_t o_stride, int causal, float *scores) {
+/* Multi-head softmax attention, q: [nq][heads * dim] rows (stride q_stride), k/v: rows of kv heads (head h reads
+ * kv head h / group), out like q. Tasks are (head, block of query rows), each independent of how they are spread
+ * over threads, so the result does not depend on the thread count; dots go through cb_dot (same bits on every ISA). */
+typedef struct {
+    float *out;
+    const float *q, *k, *v;
+    int nq, nk, dim, heads, group, causal;
+    size_t q_stride, k_stride, v_stride, o_stride;
+} attn_job_t;
+
+#define ATTN_ROWS 16
+
+static void attn_task(void *ctx, int task) {
+    const attn_job_t *j = ctx;
+    int blocks = (j->nq + ATTN_ROWS - 1) / ATTN_ROWS;
+    int h = task / blocks, r0 = (task % blocks) * ATTN_ROWS, r1 = r0 + ATTN_ROWS < j->nq ? r0 + ATTN_ROWS : j->nq;
+    int kh = h / j->group, dim = j->dim;
     float scale = 1.0f / sqrtf((float)dim);
-    for (int i = 0; i < nq; i++) {
-        int upto = causal ? i + 1 : nk;
-        const float *qi = q + (size_t)i * q_stride;
-        for (int j = 0; j < upto; j++) {
-            const float *kj = k + (size_t)j * k_stride;
-            float s = 0.0f;
-            for (int d = 0; d < dim; d++) s += qi[d] * kj[d];
-            scores[j] = s * scale;
-        }
+    float *scores = malloc(sizeof(float) * (size_t)j->nk);
+    if (!scores) { fprintf(stderr, "error: out of memory in attention\n"); exit(3); }
+    for (int i = r0; i < r1; i++) {
+        int upto = j->causal ? i + 1 : j->nk;
+        const float *qi = j->q + (size_t)i * j->q_stride + (size_t)h * dim;
+        for (int t = 0; t < upto; t++)
+            scores[t] = cb_dot(j->k + (size_t)t * j->k_stride + (size_t)kh * dim, CB_F32, qi, dim) * scale;
         cb_softmax(scores, upto);
-        float *oi = out + (size_t)i * o_stride;
+        float *oi = j->out + (size_t)i * j->o_stride + (size_t)h * dim;
         for (int d = 0; d < dim; d++) oi[d] = 0.0f;
-        for (int j = 0; j < upto; j++) {
-            const float *vj = v + (size_t)j * v_stride;
-            for (int d = 0; d < dim; d++) oi[d] += scores[j] * vj[d];
+        for (int t = 0; t < upto; t++) {
+            const float *vt = j->v + (size_t)t * j->v_stride + (size_t)kh * dim;
+            for (int d = 0; d < dim; d++) oi[d] += scores[t] * vt[d];
         }
     }
+    free(scores);
+}
+
+static void attention(float *out, const float *q, const float *k, const float *v, int nq, int nk, int heads,
+                      int kv_heads, int dim, size_t q_stride, size_t kv_stride, int causal) {
+    attn_job_t j = {out, q, k, v, nq, nk, dim, heads, heads / kv_heads, causal, q_stride, kv_stride, kv_stride,
+                    q_stride};
+    cb_parallel_for(heads * ((nq + ATTN_ROWS - 1) / ATTN_ROWS), attn_task, &j);
 }
 
 /* ===================================================================================== text: Qwen2.5-VL LM */
@@ -286,7 +306,7 @@ static int run_text(const args_t *a) {
         size_t qd = (size_t)heads * head_dim, kvd = (size_t)kv_heads * head_dim;
         float *x = FALLOC((size_t)n * hidden), *h = FALLOC((size_t)n * hidden);
         float *q = FALLOC(n * qd), *k = FALLOC(n * kvd), *v = FALLOC(n * kvd), *att = FALLOC(n * qd);
-        float *g = FALLOC((size_t)n * inter), *u = FALLOC((size_t)n * inter), *scores = FALLOC(n);
+        float *g = FALLOC((size_t)n * inter), *u = FALLOC((size_t)n * inter);
         size_t row_bytes = (size_t)hidden * cb_dtype_size(emb_t->dtype);
         void *row = xalloc(row_bytes);
         for (int i = 0; i < n; i++) {
@@ -307,11 +327,7 @@ static int run_text(const args_t *a) {
                 cb_rope_neox(q + i * qd, heads, head_dim, head_dim, i, inv_freq);
                 cb_rope_neox(k + i * kvd, kv_heads, head_dim, head_dim, i, inv_freq);
             }
-            for (int hh = 0; hh < heads; hh++) {
-                int kh = hh / (heads / kv_heads);
-                attend(att + (size_t)hh * head_dim, q + (size_t)hh * head_dim, k + (size_t)kh * head_dim,
-                       v + (size_t)kh * head_dim, n, n, head_dim, qd, kvd, kvd, qd, 1, scores);
-            }
+            attention(att, q, k, v, n, n, heads, kv_heads, head_dim, qd, kvd, 1);
             linear(&L[l].o, h, att, n);
             for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += h[i];
             for (int i = 0; i < n; i++) cb_rmsnorm(h + (size_t)i * hidden, x + (size_t)i * hidden, L[l].post_norm,
@@ -326,7 +342,7 @@ static int run_text(const args_t *a) {
         int32_t hdr[2] = {n, hidden};
         if (write_all(hdr, sizeof hdr) || write_all(h, sizeof(float) * (size_t)n * hidden)) return -1;
         fflush(stdout);
-        free(ids); free(x); free(h); free(q); free(k); free(v); free(att); free(g); free(u); free(scores); free(row);
+        free(ids); free(x); free(h); free(q); free(k); free(v); free(att); free(g); free(u); free(row);
     }
     for (int l = 0; l < layers; l++) {
         free_linear(&L[l].q); free_linear(&L[l].k); free_linear(&L[l].v); free_linear(&L[l].o);
@@ -521,7 +537,7 @@ static int run_dit(const args_t *a) {
     float *lat = FALLOC((size_t)N * m.in_ch), *img = FALLOC((size_t)N * D), *tx = FALLOC((size_t)maxT * D);
     float *nrm = FALLOC((size_t)S * D), *q = FALLOC((size_t)S * D), *k = FALLOC((size_t)S * D),
           *v = FALLOC((size_t)S * D), *att = FALLOC((size_t)S * D), *tmp = FALLOC((size_t)S * D),
-          *ff = FALLOC((size_t)S * F), *scores = FALLOC(S);
+          *ff = FALLOC((size_t)S * F);
     float *tproj = FALLOC(256), *temb = FALLOC(D), *stemb = FALLOC(D), *imod = FALLOC(6 * D),
           *tmod = FALLOC(6 * D), *omod = FALLOC(2 * D), *out = FALLOC((size_t)N * 4 * m.out_ch);
     int32_t cmd;
@@ -562,9 +578,7 @@ static int run_dit(const args_t *a) {
             qk_norm_rope(k, T, H, hd, b->norm_added_k, txt_cs[which]);
             qk_norm_rope(q + (size_t)T * D, N, H, hd, b->norm_q, img_cs);
             qk_norm_rope(k + (size_t)T * D, N, H, hd, b->norm_k, img_cs);
-            for (int h = 0; h < H; h++)
-                attend(att + (size_t)h * hd, q + (size_t)h * hd, k + (size_t)h * hd, v + (size_t)h * hd,
-                       T + N, T + N, hd, D, D, D, D, 0, scores);
+            attention(att, q, k, v, T + N, T + N, H, H, hd, D, D, 0);
             linear(&b->to_add_out, tmp, att, T);
             gated_add(tx, tmod + 2 * D, tmp, T, D);
             linear(&b->to_out, tmp, att + (size_t)T * D, N);
@@ -579,7 +593,7 @@ static int run_dit(const args_t *a) {
         if (write_all(out, sizeof(float) * (size_t)N * 4 * m.out_ch)) return -1;
         fflush(stdout);
     }
-    float *scratch[] = {img_cs, lat, img, tx, nrm, q, k, v, att, tmp, ff, scores, tproj, temb, stemb, imod, tmod,
+    float *scratch[] = {img_cs, lat, img, tx, nrm, q, k, v, att, tmp, ff, tproj, temb, stemb, imod, tmod,
                         omod, out, txt[0], txt[1], txt_cs[0], txt_cs[1]};
     for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) free(scratch[i]);
     free_dit(&m);
@@ -735,15 +749,15 @@ static float *vattn_forward(const vattn_t *a, float *x, int h, int w) {
     rms_channels(t, C, n, a->gamma, 0);
     conv(&a->qkv, qkv, t, h, w);
     /* channel-major [3C, n] to token-major q, k, v [n, C] */
-    float *tq = FALLOC((size_t)3 * C * n), *scores = FALLOC(n), *to = FALLOC((size_t)C * n);
+    float *tq = FALLOC((size_t)3 * C * n), *to = FALLOC((size_t)C * n);
     for (int c = 0; c < 3 * C; c++)
         for (int p = 0; p < n; p++) tq[(size_t)(c / C) * C * n + (size_t)p * C + (c % C)] = qkv[(size_t)c * n + p];
-    attend(to, tq, tq + (size_t)C * n, tq + (size_t)2 * C * n, n, n, C, C, C, C, C, 0, scores);
+    attention(to, tq, tq + (size_t)C * n, tq + (size_t)2 * C * n, n, n, 1, 1, C, C, C, 0);
     for (int p = 0; p < n; p++)
         for (int c = 0; c < C; c++) t[(size_t)c * n + p] = to[(size_t)p * C + c];
     conv(&a->proj, o, t, h, w);
     for (size_t i = 0; i < (size_t)C * n; i++) o[i] += x[i];
-    free(t); free(qkv); free(tq); free(scores); free(to); free(x);
+    free(t); free(qkv); free(tq); free(to); free(x);
     return o;
 }
 
