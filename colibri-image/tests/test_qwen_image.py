@@ -189,3 +189,25 @@ def test_coli_run_names_a_missing_component_and_an_unknown_class(tiny, tmp_path)
     done = coli("run", "--model", str(copy), "x", "--out", str(tmp_path / "x.png"))
     assert done.returncode == 1 and "'FluxPipeline' is not supported; colibri-image runs QwenImagePipeline" in \
         done.stderr
+
+
+def test_plan_prints_each_stage_and_the_peak(tiny):
+    done = coli("plan", "--model", str(tiny.path), "--ram", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    stages = dict(plan["stages"])
+    assert set(stages) == {"text_encoder", "transformer", "vae"}
+    assert plan["min_ram_bytes"] == max(stages.values()) and plan["fits"]
+    text = coli("plan", "--model", str(tiny.path), "--ram", "1").stdout
+    assert "stage transformer" in text and "peak (largest stage)" in text and "KV cache" not in text
+    small = coli("plan", "--model", str(tiny.path), "--ram", "0.01")   # below the largest stage
+    assert small.returncode == 1 and "cannot hold the largest stage (vae" in small.stderr
+
+
+def test_doctor_understands_the_diffusers_layout(tiny, engine):
+    done = coli("doctor", "--model", str(tiny.path), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    assert checks["chat template"]["detail"] == "not needed (a text-to-image model)"
+    assert "tokenizer.json" in checks["tokenizer"]["detail"]

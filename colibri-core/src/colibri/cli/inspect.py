@@ -188,6 +188,12 @@ def _gib_up(n: int) -> str:
 
 
 def not_fitting_error(plan: ResourcePlan) -> InsufficientMemoryError:
+    if plan.stages:
+        name, size = max(plan.stages, key=lambda stage: stage[1])
+        return InsufficientMemoryError(
+            f"{human_bytes(plan.ram_bytes)} of RAM cannot hold the largest stage ({name}: {human_bytes(size)}); "
+            "the stages run one at a time", f"needs at least {human_bytes(plan.min_ram_bytes)}: pass --ram "
+                                            f"{_gib_up(plan.min_ram_bytes)} or more")
     return InsufficientMemoryError(
         f"{human_bytes(plan.ram_bytes)} of RAM cannot hold one expert slot per MoE layer: dense "
         f"{human_bytes(plan.dense_bytes)} + KV {human_bytes(plan.kv_bytes)} + state {human_bytes(plan.state_bytes)}"
