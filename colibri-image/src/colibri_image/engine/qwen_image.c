@@ -636,44 +636,32 @@ static void free_conv(conv_t *c) {
     free(c->b);
 }
 
-typedef struct {
-    const conv_t *c;
-    const float *x;
-    float *y;
-    int h, w;
-} conv_job_t;
-
-static void conv_rows(void *ctx, int o0, int o1) {
-    conv_job_t *j = ctx;
-    const conv_t *c = j->c;
-    int k = c->k, pad = k / 2, h = j->h, w = j->w;
-    for (int o = o0; o < o1; o++) {
-        float *yo = j->y + (size_t)o * h * w;
-        for (int p = 0; p < h * w; p++) yo[p] = c->b[o];
-        for (int i = 0; i < c->cin; i++) {
-            const float *xi = j->x + (size_t)i * h * w;
-            const float *wk = c->w + ((size_t)o * c->cin + i) * k * k;
-            for (int dy = 0; dy < k; dy++)
-                for (int dx = 0; dx < k; dx++) {
-                    float wv = wk[dy * k + dx];
-                    for (int yy = 0; yy < h; yy++) {
-                        int sy = yy + dy - pad;
-                        if (sy < 0 || sy >= h) continue;
-                        for (int xx = 0; xx < w; xx++) {
-                            int sx = xx + dx - pad;
-                            if (sx < 0 || sx >= w) continue;
-                            yo[yy * w + xx] += wv * xi[sy * w + sx];
-                        }
-                    }
-                }
-        }
-    }
-}
-
-/* y[cout, h, w] = conv(x[cin, h, w]), zero padding k/2; output channels are independent rows (threads). */
+/* y[cout, h, w] = conv(x[cin, h, w]), zero padding k/2: im2col over a chunk of pixels at a time (bounded scratch
+ * whatever the image size), then one cb_matmul of the weights [cout, cin*k*k] with the chunk's columns. */
 static void conv(const conv_t *c, float *y, const float *x, int h, int w) {
-    conv_job_t j = {c, x, y, h, w};
-    cb_parallel_rows(c->cout, (size_t)c->cin * c->k * c->k * h * w, conv_rows, &j);
+    int k = c->k, pad = k / 2, K = c->cin * k * k, hw = h * w;
+    int chunk = (1 << 22) / K > 0 ? (1 << 22) / K : 1;
+    if (chunk > hw) chunk = hw;
+    float *col = FALLOC((size_t)chunk * K), *out = FALLOC((size_t)chunk * c->cout);
+    for (int p0 = 0; p0 < hw; p0 += chunk) {
+        int n = hw - p0 < chunk ? hw - p0 : chunk;
+        for (int i = 0; i < n; i++) {
+            int yy = (p0 + i) / w, xx = (p0 + i) % w;
+            float *row = col + (size_t)i * K;
+            for (int ci = 0; ci < c->cin; ci++)
+                for (int dy = 0; dy < k; dy++)
+                    for (int dx = 0; dx < k; dx++) {
+                        int sy = yy + dy - pad, sx = xx + dx - pad;
+                        row[(ci * k + dy) * k + dx] = sy < 0 || sy >= h || sx < 0 || sx >= w ? 0.0f
+                                                      : x[((size_t)ci * h + sy) * w + sx];
+                    }
+        }
+        cb_matmul(out, c->w, CB_F32, col, n, c->cout, K);
+        for (int i = 0; i < n; i++)
+            for (int o = 0; o < c->cout; o++) y[(size_t)o * hw + p0 + i] = out[(size_t)i * c->cout + o] + c->b[o];
+    }
+    free(col);
+    free(out);
 }
 
 /* QwenImageRMS_norm over channels: x / max(||x||, 1e-12) * sqrt(C) * gamma, optionally then SiLU. */
