@@ -164,6 +164,11 @@ def test_coli_run_writes_a_png(tiny, engine, tmp_path):
                   guidance=3.5)
     assert np.array_equal(pixels, Pipeline(tiny.path, engine).generate(req))
     assert [p.name for p in tmp_path.iterdir()] == ["bird.png"]   # nothing left half-written
+    as_json = coli("run", "--model", str(tiny.path), "x", "--out", str(out), "--size", "32x32", "--steps", "2",
+                   "--json")
+    stats = json.loads(as_json.stdout)
+    assert set(stats["stage_peak_rss_bytes"]) == {"text", "dit", "vae"}
+    assert 0 < max(stats["stage_peak_rss_bytes"].values()) <= stats["peak_rss_bytes"] < 2 ** 31
 
 
 @pytest.mark.parametrize("args,message", [

@@ -103,9 +103,10 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
         image = pipe.generate(req, progress=progress)
     write_png(out_path, image)
     elapsed = time.monotonic() - started
-    peak = peak_rss_bytes()
+    peak = peak_rss_bytes(pipe)
     if options.get("json"):
         emit_json({"path": str(out_path), "width": req.width, "height": req.height, "steps": req.steps,
+                   "stage_peak_rss_bytes": dict(pipe.stage_peaks),
                    "seed": req.seed, "seconds": elapsed, "peak_rss_bytes": peak,
                    "s_per_step": sum(step_seconds) / len(step_seconds) if step_seconds else None})
     else:
@@ -116,12 +117,17 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
     return 0
 
 
-def peak_rss_bytes() -> int:
-    """The largest resident set of this process or of any engine stage it ran (each stage is a child)."""
-    import resource
-
-    return 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+def peak_rss_bytes(pipe: Any) -> int:
+    """The largest resident set of this process or of any engine stage it ran (VmHWM: getrusage's maxrss would
+    carry over the peak of whatever process launched us)."""
+    own = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                own = 1024 * int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return max([own, *pipe.stage_peaks.values()])
 
 
 def _stderr_console() -> Any:

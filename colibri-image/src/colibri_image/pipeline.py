@@ -73,6 +73,7 @@ class Pipeline:
         if weights not in WEIGHTS:
             raise UsageError(f"--weights {weights}: not a weight mode", f"use one of {', '.join(WEIGHTS)}")
         self.weights = weights
+        self.stage_peaks: dict[str, int] = {}   # stage -> its peak RSS in bytes (the engine reports VmHWM)
         index = _read_json(self.dir / "model_index.json")
         cls = index.get("_class_name")
         if cls not in SUPPORTED:
@@ -254,6 +255,9 @@ class Pipeline:
         return self.decode(latents, lh, lw)
 
 
+PEAK_PREFIX = "peak_rss_kib="
+
+
 class Stage:
     """One engine process for one component; its stderr kept in a file to explain a death."""
 
@@ -261,6 +265,7 @@ class Stage:
         self.cmd = [str(pipe.engine), stage, str(pipe.dir / component), *args, f"threads={pipe.threads}",
                     f"int8={int(pipe.weights == 'int8')}"]
         self.name = f"{stage} stage ({component}/)"
+        self.stage, self.pipe = stage, pipe
 
     def __enter__(self) -> "Stage":
         self.log = tempfile.TemporaryFile()
@@ -286,7 +291,7 @@ class Stage:
         code = self.proc.wait()
         self.log.seek(0)
         lines = [ln for ln in self.log.read().decode("utf-8", "replace").splitlines() if ln.strip()
-                 and ln.strip() != "ready"]
+                 and ln.strip() != "ready" and not ln.startswith(PEAK_PREFIX)]
         why = lines[-1] if lines else f"exit status {code}"
         raise EngineError(f"the engine's {self.name} died: {why}", "see the message; rerun to retry")
 
@@ -300,5 +305,10 @@ class Stage:
         try:
             if code != 0 and kind is None:   # answered everything, then failed (a sanitizer's report, say)
                 self._died()
+            self.log.seek(0)
+            for line in self.log.read().decode("utf-8", "replace").splitlines():
+                if line.startswith(PEAK_PREFIX) and line[len(PEAK_PREFIX):].isdigit():
+                    peak = 1024 * int(line[len(PEAK_PREFIX):])
+                    self.pipe.stage_peaks[self.stage] = max(peak, self.pipe.stage_peaks.get(self.stage, 0))
         finally:
             self.log.close()

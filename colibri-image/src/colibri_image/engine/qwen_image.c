@@ -850,6 +850,17 @@ static int run_vae(const args_t *a) {
     return 0;
 }
 
+/* The stage's own high-water RSS (VmHWM, which starts afresh at exec, unlike getrusage's maxrss that inherits the
+ * launching process's peak), for the pipeline's peak-RSS report. */
+static void report_peak_rss(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    if (!f) return;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) fprintf(stderr, "peak_rss_kib=%ld\n", strtol(line + 6, NULL, 10));
+    fclose(f);
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
         fprintf(stderr, "usage: %s text|dit|vae COMPONENT_DIR [key=value...]\n", argv[0]);
@@ -875,5 +886,6 @@ int main(int argc, char **argv) {
     else { snprintf(g_err, sizeof g_err, "unknown stage %s", argv[1]); rc = -1; }
     cb_st_close(&g_idx);
     if (rc) { fprintf(stderr, "error: %s\n", g_err); return 1; }
+    report_peak_rss();
     return 0;
 }
