@@ -178,6 +178,15 @@ def routing_study(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_image(session: nox.Session) -> None:
+    """colibri-image vs diffusers' CPU pipeline on a QwenImagePipeline at the real transformer width with fewer
+    blocks: s/step and peak RSS, in RAM and under a cgroup v1 memory cap below the sum of the components (needs root
+    for the cap; slow, never default). `-- --layers 4 --size 512 --steps 4` changes the shape."""
+    install_everything(session)
+    session.run("python", str(ROOT / "engines" / "bench" / "image_bench.py"), *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
 

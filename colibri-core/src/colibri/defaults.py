@@ -19,7 +19,8 @@ from .convert.spec import spec_from_layout
 from .planner import plan
 from .prompt import render_conversation
 from .records import (
-    ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
+    TEXT_GENERATION, ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet,
+    TensorLayout,
 )
 from .tokenizer import load_tokenizer_dir
 
@@ -32,6 +33,10 @@ class CoreDefaults:
     def __init__(self, ask: HookAsker) -> None:
         self._ask = ask
         self._tokenizers: dict[tuple[Path, str], Any] = {}
+
+    @hookimpl(trylast=True)
+    def model_task(self, model: ResolvedModel) -> str:
+        return TEXT_GENERATION
 
     @hookimpl(trylast=True)
     def weight_files(self, model: ResolvedModel) -> tuple[ShardSet, ...]:

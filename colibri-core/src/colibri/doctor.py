@@ -19,7 +19,7 @@ from .errors import ColibriError
 from .inventory import geometry_of, logical_tensors, shard_sets_of
 from .model import model_dir_from, read_config, resolve_model
 from .prompt import NO_TEMPLATE_NOTICE
-from .records import ResolvedModel, ShardSet
+from .records import TEXT_GENERATION, ResolvedModel, ShardSet
 from .validation import (  # noqa: F401  (Check and the deep checks are doctor's public names too)
     FAIL, PASS, WARN, Check, check_chat_template_renders, check_counts, check_dtypes, check_offsets, check_overlaps,
     check_roles, check_sizes, check_tokenizer_loads, file_checks, layout_checks, summarise,
@@ -266,15 +266,20 @@ def model_checks(model: ResolvedModel, deep: bool = False) -> list[Check]:
     if failed:
         return [failed]
 
-    is_lm = geometry.vocab_size > 0
+    has_vocab = geometry.vocab_size > 0
+    task = hooks.model_task(model)
+    is_lm = has_vocab and task == TEXT_GENERATION   # only a text generator needs a chat template
     tok = None
     limits, _ = _guarded("limits", lambda: hooks.limits(model))
-    if is_lm and limits is not None and limits.has_engine:   # what run/chat/serve would load, loaded the same way
+    if has_vocab and limits is not None and limits.has_engine:   # what run/chat/serve would load, loaded the same way
         tokenizer, tok = check_loaded_tokenizer(model)
     else:   # a model the engine commands do not run (a pipeline, an extractor): its tokenizer files are there
         tokenizer = check_tokenizer(model_dir, needs_tokenizer=is_lm)
     checks.append(tokenizer)
-    checks.append(check_chat_template(model_dir, is_lm, tok))
+    if is_lm or task == TEXT_GENERATION:
+        checks.append(check_chat_template(model_dir, is_lm, tok))
+    else:
+        checks.append(Check("chat template", PASS, f"not needed (a {task} model)"))
 
     shard_sets, failed = _guarded("shards", lambda: shard_sets_of(model))
     scan = ShardScan()

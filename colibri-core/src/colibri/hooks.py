@@ -15,7 +15,7 @@ from . import plugins
 from .errors import EngineError, FamilyError
 from .records import (
     Claim, ConverterSpec, DemoModel, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, PlanRequest,
-    ResolvedModel, ResourcePlan, ShardSet, TensorLayout,
+    ResolvedModel, ResourcePlan, RouteSpec, RunOption, ShardSet, TensorLayout,
 )
 
 
@@ -84,6 +84,31 @@ def render_prompt(model: ResolvedModel, messages: Sequence[Mapping[str, Any]],
 def parse_output(model: ResolvedModel) -> Any:
     """A fresh :class:`colibri.output_parser.OutputParser` for one reply, or ``None`` (plain text)."""
     return plugins.family_hook(model.family, "parse_output")(model=model)
+
+
+def model_task(model: ResolvedModel) -> str:
+    """What the model does: ``records.TEXT_GENERATION`` unless its family says otherwise."""
+    return str(plugins.family_hook(model.family, "model_task")(model=model))
+
+
+def run_options() -> list[RunOption]:
+    """Every installed family's extra ``coli run`` flags, the first of each name kept."""
+    seen: set[str] = set()
+    out = []
+    for answer in plugins.manager().hook.run_options():
+        for option in answer or ():
+            if option.name not in seen:
+                seen.add(option.name)
+                out.append(option)
+    return out
+
+
+def run_handler(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int | None:
+    return plugins.family_hook(model.family, "run_handler")(model=model, prompt=prompt, options=options)
+
+
+def server_routes(model: ResolvedModel, options: Mapping[str, Any]) -> tuple[RouteSpec, ...]:
+    return tuple(plugins.family_hook(model.family, "server_routes")(model=model, options=options) or ())
 
 
 def describe_family(family: str) -> FamilyDescriptor | None:

@@ -37,6 +37,8 @@ from .records import (
     PlanRequest,
     ResolvedModel,
     ResourcePlan,
+    RouteSpec,
+    RunOption,
     ShardSet,
     TensorLayout,
 )
@@ -234,6 +236,62 @@ def parse_output(model: ResolvedModel) -> Any:
 
     :param model: the resolved model.
     :returns: a :class:`colibri.output_parser.OutputParser`, or ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+def model_task(model: ResolvedModel) -> str | None:
+    """Say what the model does, so core knows whether its own text commands run it.
+
+    firstresult: core's default answers ``"text-generation"`` (``colibri.records.TEXT_GENERATION``). A family
+    whose models do something else (``"text-to-image"``) answers itself; ``coli run`` then hands the prompt to its
+    ``run_handler``, ``coli serve`` mounts its ``server_routes`` instead of starting a text engine, and
+    ``coli doctor`` does not ask for a chat template.
+
+    :param model: the resolved model.
+    :returns: the task's name.
+    """
+
+
+@hookspec
+def run_options() -> Sequence[RunOption]:
+    """Offer extra ``coli run`` flags for the family's own tasks.
+
+    A discovery hook: called on every installed family when ``coli run`` is built (not firstresult); a flag whose
+    name is already taken is dropped. Their values reach the family's ``run_handler`` in ``options``; a text model
+    given one of them is refused with one line naming the flag.
+
+    :returns: the flags, as :class:`~colibri.records.RunOption` records.
+    """
+
+
+@hookspec(firstresult=True)
+def run_handler(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int | None:
+    """Run one ``coli run`` prompt for a model whose ``model_task`` is not text generation.
+
+    firstresult: the claiming family answers; no core default (``coli run`` refuses a non-text model nobody runs).
+
+    :param model: the resolved model.
+    :param prompt: the prompt, as ``coli run`` read it (argument, ``--prompt-file`` or stdin).
+    :param options: core's options that apply to any task (``seed``, ``threads``, ``ram``, ``json``) and the
+        values of the ``run_options`` flags, by parameter name (``None`` when not given).
+    :returns: the exit code (0 on success), or ``None`` when the family does not run this model.
+    """
+
+
+@hookspec(firstresult=True)
+def server_routes(model: ResolvedModel, options: Mapping[str, Any]) -> Sequence[RouteSpec] | None:
+    """Give the HTTP routes ``coli serve`` mounts for a model whose ``model_task`` is not text generation.
+
+    firstresult: the claiming family answers; no core default. Core serves them behind its own gate (API key,
+    body limit, cross-site rules) and error envelope; a handler reads its JSON body with
+    ``await request.app.state.read_json(request)`` (the ``--max-body`` limit and timeout) and queues with
+    ``request.app.state.services.scheduler.acquire(None)`` (the ``--kv-slots``/``--max-queue`` limits, 429 past
+    them), releasing the lease it gets.
+
+    :param model: the resolved model.
+    :param options: the serve options that reach an engine: ``threads``, ``ram``.
+    :returns: the routes, or ``None`` when the family serves nothing for this model.
     """
 
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
+
+# What a model does (``model_task``): core's text commands run TEXT_GENERATION; any other task is run by its
+# family's ``run_handler`` and served by its ``server_routes``.
+TEXT_GENERATION = "text-generation"
+TEXT_TO_IMAGE = "text-to-image"
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,8 @@ class ResourcePlan:
     fits: bool
     min_ram_bytes: int
     notes: tuple[str, ...] = ()
+    # a pipeline that runs its stages one at a time: (stage, bytes it needs while it runs); dense_bytes is the peak
+    stages: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,3 +231,32 @@ class DemoModel:
     prompt: str
     is_random: bool = False
     cache_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One HTTP route a family adds to ``coli serve`` (returned by ``server_routes``).
+
+    Core wraps ``handler`` like its own routes: the API key, body limits and cross-site rules apply before it,
+    an ``colibri.server.errors.APIError`` it raises becomes the error envelope, anything else a logged 500.
+    """
+
+    path: str                                                   # e.g. "/v1/images/generations"
+    handler: Callable[[Any], Awaitable[Any]]                    # async (starlette Request) -> Response
+    methods: tuple[str, ...] = ("POST",)
+    name: str = ""                                              # the metrics/access-log route label
+
+
+@dataclass(frozen=True)
+class RunOption:
+    """One ``coli run`` flag a family adds for its own task (returned by ``run_options``); its value reaches the
+    family's ``run_handler`` under ``name`` (the flag without dashes, ``-`` as ``_``), ``None`` when not given."""
+
+    flag: str                   # e.g. "--negative-prompt"
+    help: str
+    kind: type = str            # str, int or float
+    metavar: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")

@@ -112,23 +112,28 @@ def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None)
 
 BPE_FILES = ("vocab.json", "merges.txt")
 SENTENCEPIECE_FILE = "tokenizer.model"
-# The slow tokenizer classes whose vocab.json + merges.txt mean GPT-2's byte-level BPE with GPT-2's own split rule.
-# Others that ship the same two files split differently (a pre-tokenizer regex of their own), so they are refused
-# rather than tokenized almost right.
-GPT2_STYLE_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+# The tokenizer classes whose vocab.json + merges.txt colibri converts: byte-level BPE with the split rule
+# transformers gives each (None: GPT-2's own, inside the byte-level pre-tokenizer; a regex: split on it first, after
+# NFC, as transformers' Qwen2Tokenizer does, e.g. a Qwen-Image pipeline's tokenizer/). Other classes that ship the
+# same two files split differently, so they are refused rather than tokenized almost right.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+BYTE_LEVEL_CLASSES: dict[str, str | None] = {"GPT2Tokenizer": None, "GPT2TokenizerFast": None,
+                                             "Qwen2Tokenizer": QWEN2_SPLIT, "Qwen2TokenizerFast": QWEN2_SPLIT}
 
 
 def byte_level_bpe(model_dir: Path) -> Any:
     """vocab.json + merges.txt as transformers' GPT-2 converter builds them: byte-level BPE, the byte-level
     pre-tokenizer (``add_prefix_space`` from tokenizer_config.json), decoder and post-processor, and the added
     tokens of ``added_tokens_decoder`` plus the named special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     tok_config = ct.read_json_file(model_dir / ct.TOKENIZER_CONFIG) or {}
     cls = tok_config.get("tokenizer_class")
-    if cls is not None and cls not in GPT2_STYLE_CLASSES:
+    if cls is not None and cls not in BYTE_LEVEL_CLASSES:
         raise ConfigError(f"{model_dir}: vocab.json + merges.txt of a {cls} and no tokenizer.json (colibri converts "
-                          f"only {' and '.join(GPT2_STYLE_CLASSES)} files itself)", convert_hint(model_dir))
+                          f"only {', '.join(BYTE_LEVEL_CLASSES)} files itself)", convert_hint(model_dir))
+    split = BYTE_LEVEL_CLASSES.get(cls) if cls else None
     vocab, merges = (str(model_dir / name) for name in BPE_FILES)
     try:
         model = models.BPE.from_file(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
@@ -137,7 +142,14 @@ def byte_level_bpe(model_dir: Path) -> Any:
         raise ConfigError(f"{model_dir}: vocab.json + merges.txt do not load ({str(exc).splitlines()[0]})",
                           "restore them from the original checkpoint") from None
     backend = Tokenizer(model)
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(tok_config.get("add_prefix_space")))
+    prefix_space = bool(tok_config.get("add_prefix_space"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+    else:
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     added = tok_config.get("added_tokens_decoder") or {}

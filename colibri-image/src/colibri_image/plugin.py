@@ -17,7 +17,7 @@ from colibri import hookimpl
 from colibri.checkpoint import TensorIndex, read_index
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, ShardSet, TensorLayout,
+    TEXT_TO_IMAGE, Claim, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ShardSet, TensorLayout,
 )
 
 FAMILY = "image"
@@ -38,15 +38,20 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
     return Claim(FAMILY, MODEL_TYPE, f"{MARKER} present (diffusers pipeline)")
 
 
+def read_json_object(path: Path, missing_hint: str) -> Any:
+    """A pipeline JSON file, parsed; a clear ConfigError naming it when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})", missing_hint) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})", f"restore {path.name} from the pipeline") from None
+
+
 def read_model_index(model_dir: Path) -> dict[str, Any]:
     """The parsed ``model_index.json``; a clear ConfigError when it is missing or malformed."""
     path = Path(model_dir) / MARKER
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})", "point --model at a diffusers pipeline") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})", "restore model_index.json from the pipeline") from None
+    data = read_json_object(path, "point --model at a diffusers pipeline")
     if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
         raise ConfigError(f"{path}: no '_class_name' naming the pipeline class",
                           "restore model_index.json from the pipeline")
@@ -108,12 +113,19 @@ def _component_config(model_dir: Path, name: str) -> dict[str, Any]:
     return {}
 
 
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """The text encoder's config; a multimodal encoder's (Qwen2.5-VL) language part."""
+    text = _component_config(model_dir, "text_encoder")
+    inner = text.get("text_config")
+    return inner if isinstance(inner, dict) else text
+
+
 @hookimpl
 def model_geometry(model: ResolvedModel) -> Geometry:
     index = read_model_index(model.path)
     comps = components(model.path)
     notes = [(name, f"{lib}.{cls}") for name, (lib, cls) in comps.items()]
-    text = _component_config(model.path, "text_encoder")
+    text = _text_config(model.path)
     unet = _component_config(model.path, "unet") or _component_config(model.path, "transformer")
     if unet.get("sample_size"):
         notes.append(("latent sample size", str(unet["sample_size"])))
@@ -137,8 +149,98 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     return TensorLayout(embeddings=embeddings, lm_head=None, norms=norms, routers=(), experts=(), required=required)
 
 
+ENGINE_DIR = Path(__file__).resolve().parent / "engine"
+ENGINE_PIPELINES = ("QwenImagePipeline",)
+
+
+def _pipeline_class(model: ResolvedModel | None) -> str | None:
+    if model is None:
+        return ENGINE_PIPELINES[0]
+    cls = model.config.get("_class_name") if model.config else None
+    if cls is None and (model.path / MARKER).is_file():
+        cls = read_model_index(model.path)["_class_name"]
+    return cls if isinstance(cls, str) else None
+
+
+@hookimpl
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    if _pipeline_class(model) not in ENGINE_PIPELINES:
+        return None
+    return EngineSource("colibri-qwen-image", (ENGINE_DIR / "qwen_image.c",), runtime_api=1)
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
-    text = _component_config(model.path, "text_encoder")
-    return Limits(max_context=int(text.get("max_position_embeddings") or 0), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+    text = _text_config(model.path)
+    has_engine = engine_source(model) is not None
+    return Limits(max_context=int(text.get("max_position_embeddings") or 0), has_engine=has_engine,
+                  reason_no_engine="" if has_engine else
+                  f"the engine runs {', '.join(ENGINE_PIPELINES)} only, not {_pipeline_class(model)}")
+
+
+@hookimpl
+def model_task(model: ResolvedModel) -> str:
+    return TEXT_TO_IMAGE
+
+
+@hookimpl
+def load_tokenizer(model: ResolvedModel) -> Any:
+    # diffusers keeps the tokenizer in its own component folder; there is no chat template to look for
+    from colibri.tokenizer import load_tokenizer_dir
+
+    folder = model.path / "tokenizer"
+    return load_tokenizer_dir(folder, None) if folder.is_dir() else None
+
+
+@hookimpl
+def run_options() -> list[Any]:
+    from .cli import run_options as options
+
+    return options()
+
+
+@hookimpl
+def run_handler(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
+    from .cli import run
+
+    return run(model, prompt, options)
+
+
+@hookimpl
+def server_routes(model: ResolvedModel, options: Mapping[str, Any]) -> Any:
+    from .serve import routes
+
+    return routes(model, options)
+
+
+RUNTIME_RESERVE = 64 * 1024 * 1024
+
+
+def stage_bytes(tensors: Any) -> tuple[tuple[str, int], ...]:
+    """What each engine stage holds while it runs: the tensors it loads, at the size it keeps them (matrices as
+    stored, the VAE's convolutions and every norm in f32), plus the runtime's reserve. The text stage loads the
+    language model only (not the vision tower); the VAE stage the decoder and post_quant_conv only."""
+    sizes = {"text_encoder": 0, "transformer": 0, "vae": 0}
+    for t in tensors:
+        component, _, name = t.name.partition("/")
+        if component == "text_encoder" and ("visual" in name or name.startswith("lm_head")):
+            continue
+        if component == "vae" and not (name.startswith("decoder.") or name.startswith("post_quant_conv.")):
+            continue
+        if component in sizes:
+            sizes[component] += t.numel * 4 if component == "vae" or len(t.shape) < 2 else t.nbytes
+    return tuple((name, size + RUNTIME_RESERVE) for name, size in sizes.items() if size)
+
+
+@hookimpl
+def plan_resources(model: ResolvedModel, request: Any, geometry: Geometry, layout: Any, tensors: Any) -> Any:
+    from colibri.records import ResourcePlan
+
+    stages = stage_bytes(tensors)
+    peak = max((size for _, size in stages), default=0)
+    return ResourcePlan(
+        ram_bytes=request.ram_bytes, dense_bytes=peak - RUNTIME_RESERVE if peak else 0, kv_bytes=0, state_bytes=0,
+        reserve_bytes=RUNTIME_RESERVE, expert_bytes=0, experts_per_layer=0, moe_layers=0, cache_slots_per_layer=0,
+        cache_bytes=0, routed_bytes_per_token=0, disk_bandwidth=request.disk_bandwidth, disk_bound_tokens_per_s=0.0,
+        fits=request.ram_bytes >= peak, min_ram_bytes=peak, stages=stages,
+        notes=("stages run one at a time and free their weights: the peak is the largest stage",))

@@ -78,3 +78,65 @@ def _clip_tokenizer(tmp: Path, tokenizer_cls: Any) -> Any:
 
 
 TINY_MODELS = {"diffusers": build_diffusers_pipeline}
+
+
+QWEN_STYLE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_qwen_image_pipeline(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
+                              text: dict[str, Any] | None = None, vae: dict[str, Any] | None = None,
+                              **overrides: Any) -> TinyModel:
+    """A tiny QwenImagePipeline: Qwen2.5-VL text encoder, QwenImageTransformer2DModel, AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler with Qwen-Image's scheduler settings (dynamic shift, terminal stretch).
+
+    ``overrides`` go to the transformer config (e.g. ``num_layers=3``), ``text`` to the text encoder's
+    ``text_config`` and ``vae`` to the VAE (the benchmark builds real widths with fewer layers this way).
+    """
+    import torch
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from colibri.testing.tiny import ChatStyle, train_tokenizer
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    text_cfg: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    text_cfg.update(text or {})
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text_cfg,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0])))
+    dit_cfg: dict[str, Any] = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+    dit_cfg.update(overrides)
+    transformer = QwenImageTransformer2DModel(**dit_cfg)
+    vae_cfg: dict[str, Any] = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                   temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                   latents_std=[1.5, 0.8, 1.2, 2.0])
+    vae_cfg.update(vae or {})
+    vae_model = AutoencoderKLQwenImage(**vae_cfg)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    tok_dir = Path(tempfile.mkdtemp(prefix="colibri-qwen-tok-"))
+    try:
+        train_tokenizer(tok_dir, ChatStyle(QWEN_STYLE_SPECIALS, None, "<|im_end|>", "<|endoftext|>", ""))
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+        components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae_model}
+        for comp in components.values():
+            redraw_weights(comp, seed)
+            cast_dtype(comp, dtype)
+        pipe = QwenImagePipeline(scheduler=scheduler, vae=vae_model, text_encoder=text_encoder, tokenizer=tokenizer,
+                                 transformer=transformer)
+        pipe.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
+    total = sum(sum(p.numel() for p in c.parameters()) for c in components.values())
+    return TinyModel(out, "qwen-image", "diffusers", int(total), stored_elements(out))
+
+
+TINY_MODELS["qwen-image"] = build_qwen_image_pipeline

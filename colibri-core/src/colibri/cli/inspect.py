@@ -190,6 +190,12 @@ def _gib_up(n: int) -> str:
 
 
 def not_fitting_error(plan: ResourcePlan) -> InsufficientMemoryError:
+    if plan.stages:
+        name, size = max(plan.stages, key=lambda stage: stage[1])
+        return InsufficientMemoryError(
+            f"{human_bytes(plan.ram_bytes)} of RAM cannot hold the largest stage ({name}: {human_bytes(size)}); "
+            "the stages run one at a time", f"needs at least {human_bytes(plan.min_ram_bytes)}: pass --ram "
+                                            f"{_gib_up(plan.min_ram_bytes)} or more")
     return InsufficientMemoryError(
         f"{human_bytes(plan.ram_bytes)} of RAM cannot hold one expert slot per MoE layer: dense "
         f"{human_bytes(plan.dense_bytes)} + KV {human_bytes(plan.kv_bytes)} + state {human_bytes(plan.state_bytes)}"
@@ -270,14 +276,19 @@ def planned_facts(model: str | None, family: str | None, repo: str | None, exper
 def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sources: dict[str, str]) -> None:
     g = facts.geometry
     print_heading(f"{facts.model.path} ({facts.model.family}, {facts.model.model_type})")
-    rows = [("RAM budget", f"{human_bytes(plan.ram_bytes)} ({sources['ram']})"),
-            ("dense weights", f"{human_bytes(plan.dense_bytes)} resident"),
-            ("KV cache", f"{human_bytes(plan.kv_bytes)} = {g.kv_bytes_per_token} B/token x {request.ctx} ctx x "
-                         f"{request.kv_slots} slot(s)")]
+    rows = [("RAM budget", f"{human_bytes(plan.ram_bytes)} ({sources['ram']})")]
+    if plan.stages:   # a pipeline: its stages run one at a time, so the largest one is the peak
+        rows += [(f"stage {name}", f"{human_bytes(size)} (weights + runtime reserve)") for name, size in plan.stages]
+        rows.append(("peak (largest stage)", human_bytes(max(size for _, size in plan.stages))))
+    else:
+        rows += [("dense weights", f"{human_bytes(plan.dense_bytes)} resident"),
+                 ("KV cache", f"{human_bytes(plan.kv_bytes)} = {g.kv_bytes_per_token} B/token x {request.ctx} ctx x "
+                              f"{request.kv_slots} slot(s)")]
     if plan.state_bytes:
         rows.append(("recurrent state", f"{human_bytes(plan.state_bytes)} = {g.state_bytes_per_slot} B x "
                                         f"{request.kv_slots} slot(s)"))
-    rows.append(("reserve", f"{human_bytes(plan.reserve_bytes)} (prefill scratch + 64 MiB runtime)"))
+    if not plan.stages:
+        rows.append(("reserve", f"{human_bytes(plan.reserve_bytes)} (prefill scratch + 64 MiB runtime)"))
     if plan.moe_layers:
         rows += [("expert cache", f"{plan.cache_slots_per_layer} of {plan.experts_per_layer} slots/layer x "
                                   f"{plan.moe_layers} MoE layers x {human_bytes(plan.expert_bytes)} = "

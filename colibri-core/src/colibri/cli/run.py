@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -55,7 +55,18 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return prompt
 
 
-@app.command("run")
+def _run_other_task(resolved: Any, task: str, prompt: str, options: dict[str, Any]) -> None:
+    """Hand a non-text model to its family's run handler (exit with its code)."""
+    from .. import hooks
+
+    code = hooks.run_handler(resolved, prompt, options)
+    if code is None:
+        raise UsageError(f"{resolved.path}: the {resolved.family} family runs no {task} model with coli run",
+                         "coli families lists what each family runs")
+    if code:
+        raise SystemExit(code)
+
+
 def run_command(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file, or pipe it on stdin)."),
     model: Optional[str] = ModelOption,
@@ -88,8 +99,12 @@ def run_command(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain the reply to "
                                                "JSON valid against this JSON schema file (needs llguidance)."),
     as_json: bool = JsonOption,
+    **family_options: Any,
 ) -> None:
-    """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS."""
+    """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS.
+
+    For a model whose family runs another task (a text-to-image pipeline), the family's run handler takes the
+    prompt instead, with the flags it adds (listed below, from every installed family)."""
     from .. import launch
     from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
@@ -97,8 +112,21 @@ def run_command(
     from ..constraints import ConstraintCompiler, schema_file_grammar
     from ..streaming import stats_line, stream_reply
 
+    from ..records import TEXT_GENERATION
+
     prompt = _read_prompt(prompt, prompt_file)
     resolved = resolve_model(model, family)
+    extra = dict(family_options)
+    task = hooks.model_task(resolved)
+    if task != TEXT_GENERATION:
+        _run_other_task(resolved, task, prompt, {**extra, "seed": seed, "threads": threads, "ram": ram,
+                                                 "json": as_json})
+        return
+    given = [name for name, value in extra.items() if value is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag}: not an option for {resolved.path.name} (a {task} model)",
+                         "that flag applies to the families that offer it (e.g. text-to-image pipelines)")
     tok = hooks.load_tokenizer(resolved)
     if think is not None and chat is False:
         raise UsageError("--think/--no-think with --raw: thinking is a chat-template switch", "drop one of them")
@@ -139,3 +167,27 @@ def run_command(
         sys.stderr.flush()
     if reply.interrupted:
         raise SystemExit(130)  # 128 + SIGINT, as a shell reports an interrupted command
+
+
+def _with_family_options(fn: Any) -> Any:
+    """Give ``fn`` one keyword parameter per installed family's ``run_options`` flag, so typer parses them and
+    ``--help`` lists them (their values arrive in ``**family_options``)."""
+    import inspect
+
+    from .. import hooks
+
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    for option in hooks.run_options():
+        if option.name in taken or option.kind not in (str, int, float):
+            continue
+        taken.add(option.name)
+        params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[option.kind],
+                                        default=typer.Option(None, option.flag, help=option.help,
+                                                             metavar=option.metavar or None)))
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
+
+
+run_command = app.command("run")(_with_family_options(run_command))

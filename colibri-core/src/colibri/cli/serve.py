@@ -16,6 +16,7 @@ import typer
 
 from .. import envvars
 from ..errors import EngineError, UsageError
+from ..records import TEXT_GENERATION
 from ..server.config import (
     API_KEY_ENV,
     DEFAULT_BODY_TIMEOUT_S,
@@ -186,6 +187,11 @@ def serve_command(
         raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
 
     resolved = resolve_model(model, family)
+    if hooks.model_task(resolved) != TEXT_GENERATION:
+        _serve_family_routes(resolved, host, port, kv_slots, max_queue, queue_timeout, api_key, cors_origin,
+                             body_limit, allowed_host, header_timeout, body_timeout, max_connections,
+                             max_connections_per_client, level, {"threads": threads, "ram": ram})
+        return
     # the tokenizer and template exactly as coli run / coli chat load them (a family may answer itself)
     codec = TokenizerCodec(hooks.load_tokenizer(resolved), model=resolved)
     if not codec.renders_chat:
@@ -216,13 +222,6 @@ def serve_command(
                              default_sampling=checkpoint_sampling(resolved.path))
     # access_log off: colibri.server.access logs each request with its route, tokens and duration instead
     server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5, access_log=False)
-    server_log = logging.getLogger("colibri.server")
-    if not server_log.handlers:   # uvicorn configures only its own loggers; engine deaths and restarts go here
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        server_log.addHandler(handler)
-        server_log.propagate = False
-    server_log.setLevel(level.upper())
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}) on http://{shown}:{port}/v1 — "
                f"{kv_slots} slot(s), ctx {spec.ctx}, queue {max_queue}, "
@@ -230,9 +229,50 @@ def serve_command(
                f"http://{shown}:{port}/; loading the engine…", err=True)
     if context.info_name == "web":
         open_browser_when_listening(server, f"http://{shown}:{port}/")
+    _run_server(server, sock, level)
+    if fatal:
+        raise EngineError(fatal[0])
+
+
+def _run_server(server, sock: socket.socket, level: str) -> None:
+    server_log = logging.getLogger("colibri.server")
+    if not server_log.handlers:   # uvicorn configures only its own loggers; engine deaths and restarts go here
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        server_log.addHandler(handler)
+        server_log.propagate = False
+    server_log.setLevel(level.upper())
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    if fatal:
-        raise EngineError(fatal[0])
+
+
+def _serve_family_routes(resolved, host, port, kv_slots, max_queue, queue_timeout, api_key, cors_origin,
+                         body_limit, allowed_host, header_timeout, body_timeout, max_connections,
+                         max_connections_per_client, level, options) -> None:
+    """Serve a non-text model: its family's routes (``server_routes``) behind core's gate, queue and limits."""
+    from .. import hooks
+    from ..server import ServerConfig, create_app
+    from ..server.connections import uvicorn_server
+
+    task = hooks.model_task(resolved)
+    routes = hooks.server_routes(resolved, options)
+    if not routes:
+        raise UsageError(f"{resolved.path}: the {resolved.family} family serves no HTTP API for {task} models",
+                         "coli families lists what each family runs")
+    sock = bind_socket(host, port)
+    config = ServerConfig(model_id=resolved.path.name, ctx=0, kv_slots=kv_slots, max_queue=max_queue,
+                          queue_timeout=queue_timeout, api_key=api_key or None,
+                          cors_origins=tuple(cors_origin or ()), max_body=body_limit, family=resolved.family,
+                          created=int(time.time()), host=host, allowed_hosts=tuple(allowed_host or ()),
+                          header_timeout=header_timeout, body_timeout=body_timeout,
+                          max_connections=max_connections or 0,
+                          max_connections_per_client=max_connections_per_client)
+    application = create_app(config, None, None, family_routes=routes)
+    server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5, access_log=False)
+    shown = f"[{host}]" if ":" in host else host
+    typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}, {task}) on http://{shown}:{port}/v1 — "
+               f"{', '.join(r.path for r in routes)}; {kv_slots} slot(s), queue {max_queue}, "
+               f"{'API key required' if api_key else 'no API key (loopback only)'}", err=True)
+    _run_server(server, sock, level)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,10 +29,11 @@ from .auth import check_key
 from .config import ServerConfig
 from .connections import install_fd_exhaustion_log
 from .crosssite import CrossSitePolicy
-from .engine_host import EngineHost, EngineLike
+from .engine_host import EngineHost, EngineLike, FamilyHost
 from .errors import APIError, dialect_of
 from .generation import Codec, Services
 from .metrics import Metrics
+from ..records import RouteSpec
 from .observe import DiskBound, EngineStats, Profile
 from .scheduler import SlotScheduler
 from .validation import parse_json_body
@@ -165,15 +166,21 @@ async def _drain(receive, limit: int, timeout: float) -> None:
         return
 
 
-def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], codec: Codec,
+def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike] | None, codec: Codec | None,
                on_fatal: Callable[[str], None] | None = None, tools_supported: bool = False,
-               default_sampling: Mapping[str, float] | None = None) -> Starlette:
-    """Build the app; the engine starts loading when the app starts (``/health`` is 503 until it is ready)."""
+               default_sampling: Mapping[str, float] | None = None,
+               family_routes: Sequence[RouteSpec] = ()) -> Starlette:
+    """Build the app; the engine starts loading when the app starts (``/health`` is 503 until it is ready).
+
+    ``family_routes`` (a non-text model's ``server_routes``) replace the text routes; their family starts its own
+    engine per request, so ``engine_factory`` and ``codec`` are ``None`` then.
+    """
     metrics = Metrics()
-    host = EngineHost(engine_factory, on_fatal=on_fatal)
+    host = EngineHost(engine_factory, on_fatal=on_fatal) if engine_factory is not None else FamilyHost()
     scheduler = SlotScheduler(config.kv_slots, config.max_queue, config.queue_timeout)
     profile = Profile(DiskBound(config.disk_bandwidth, config.disk_bandwidth_source, config.routed_bytes_per_token))
-    services = Services(host=host, scheduler=scheduler, codec=codec, metrics=metrics, ctx=config.ctx,
+    services = Services(host=cast(EngineHost, host), scheduler=scheduler, codec=cast(Codec, codec),
+                        metrics=metrics, ctx=config.ctx,
                         queue_timeout=config.queue_timeout, default_sampling=dict(default_sampling or {}),
                         profile=profile)
 
@@ -204,16 +211,26 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
         Route("/metrics", _endpoint("metrics", metrics_route), methods=["GET"]),
         Route("/v1/models", _endpoint("models", openai_routes.list_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", _endpoint("models", openai_routes.get_model), methods=["GET"]),
-        Route("/v1/chat/completions", _endpoint("chat", openai_routes.chat_completions), methods=["POST"]),
-        Route("/v1/completions", _endpoint("completions", openai_routes.completions), methods=["POST"]),
-        Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _endpoint("count_tokens", anthropic_routes.count_tokens), methods=["POST"]),
-        Route("/v1/responses", _endpoint("responses", responses_routes.responses), methods=["POST"]),
-        Route("/experts", _endpoint("experts", dashboard.experts), methods=["GET"]),
-        Route("/profile", _endpoint("profile", dashboard.profile), methods=["GET"]),
-        *(Route(path, _endpoint("dashboard", dashboard.asset), methods=["GET"]) for path in dashboard.ASSETS),
-        Route("/v1/systemone", _endpoint("systemone", systemone.systemone), methods=["POST"]),
     ]
+    if family_routes:
+        routes += [Route(r.path, _endpoint(r.name or r.path, r.handler), methods=list(r.methods))
+                   for r in family_routes]
+    else:
+        routes += [
+            Route("/v1/chat/completions", _endpoint("chat", openai_routes.chat_completions), methods=["POST"]),
+            Route("/v1/completions", _endpoint("completions", openai_routes.completions), methods=["POST"]),
+            Route("/v1/messages", _endpoint("messages", anthropic_routes.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", _endpoint("count_tokens", anthropic_routes.count_tokens),
+                  methods=["POST"]),
+            Route("/v1/responses", _endpoint("responses", responses_routes.responses), methods=["POST"]),
+            Route("/v1/systemone", _endpoint("systemone", systemone.systemone), methods=["POST"]),
+            Route("/experts", _endpoint("experts", dashboard.experts), methods=["GET"]),
+            Route("/profile", _endpoint("profile", dashboard.profile), methods=["GET"]),
+            *(Route(path, _endpoint("dashboard", dashboard.asset), methods=["GET"]) for path in dashboard.ASSETS),
+        ]
+    served = ", ".join([r.path for r in family_routes] or [
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/systemone", "/experts",
+        "/profile", "/ (the dashboard)"])
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)   # registered for HTTPException only
@@ -221,9 +238,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike], c
             error = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
                              code="method_not_allowed")
         elif exc.status_code == 404:
-            error = APIError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions, "
-                                  f"/v1/completions, /v1/responses, /v1/messages, /v1/systemone, /health, /metrics, "
-                                  f"/experts, /profile, / (the dashboard)", code="not_found")
+            error = APIError(404, f"no route {request.url.path}; see /v1/models, {served}, /health, /metrics",
+                             code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), code="http_error")
         return error_response(error, request.url.path)

@@ -35,6 +35,22 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
+class FamilyHost:
+    """The host of a server whose routes are a family's own (``server_routes``): no text engine to keep alive,
+    the family starts its engine per request, so the server is ready at once."""
+
+    ready = True
+    state = "ready"
+    detail = ""
+    restarts = 0
+
+    def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
 class EngineHost:
     """Owns the current engine; every access goes through :meth:`engine` so a restart is seen everywhere."""
 

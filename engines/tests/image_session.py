@@ -1,0 +1,46 @@
+"""Drive the colibri-image engine binary through every stage of a tiny QwenImagePipeline, f32 and int8.
+
+Used by ``make -C engines test-image`` and ``sanitize-image`` (the same stages under ASan/UBSan, which abort the
+stage on the first error). The pipeline is built here with diffusers and transformers (nothing is committed); the
+image must be the one the regular build gives (colibri-image's tests check that one against diffusers).
+
+    python3 image_session.py ENGINE_BINARY
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-image" / "src"):
+    sys.path.insert(0, str(src))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from colibri_image.pipeline import Pipeline, Request, Trace  # noqa: E402
+from colibri_image.tiny import build_qwen_image_pipeline  # noqa: E402
+
+
+def main(binary: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="colibri-image-session-") as tmp:
+        tiny = build_qwen_image_pipeline(Path(tmp) / "pipe")
+        failures = 0
+        for weights in ("f32", "int8"):
+            req = Request("a hummingbird in the rain", width=64, height=32, steps=2, seed=3,
+                          negative_prompt="blurry")
+            trace = Trace()
+            image = Pipeline(tiny.path, Path(binary), threads=2, weights=weights).generate(req, trace)
+            ok = image.shape == (32, 64, 3) and all(np.isfinite(lat).all() for lat in trace.latents)
+            again = Pipeline(tiny.path, Path(binary), threads=1, weights=weights).generate(req)
+            ok = ok and np.array_equal(image, again)
+            print(f"{'ok' if ok else 'FAIL'}: {weights} stages (text, dit with CFG, vae), 1 and 2 threads agree")
+            failures += not ok
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
