@@ -269,7 +269,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike] | 
     app.state.metrics = metrics
     app.state.host = host
     app.state.profile = profile
-    app.state.engine_stats = EngineStats(host, profile)
+    app.state.engine_stats = EngineStats(cast(EngineHost, host), profile)
     app.state.read_json = read_json
     # counting tokens takes no KV slot, so it has its own bound: as many prompts in the tokenizer as there are slots
     app.state.tokenizer_gate = asyncio.Semaphore(config.kv_slots)
