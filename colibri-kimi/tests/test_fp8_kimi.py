@@ -99,7 +99,7 @@ def test_info_counts_fp8_like_transformers(models):
 
 def test_other_quantization_configs_are_refused(models):
     _, fp8_dir, _ = models
-    for qc, field in (({"quant_method": "compressed-tensors"}, "quant_method"),
+    for qc, field in (({"quant_method": "awq"}, "quant_method"),
                       ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size")):
         model = resolved(fp8_dir, quantization_config=qc)
         with pytest.raises(ConfigError, match=f"config.json: quantization_config.{field}"):
