@@ -137,3 +137,35 @@ def test_other_compressed_tensors_variants_are_refused(models, change, field):
         engine_hparams(model)
     with pytest.raises(ConfigError, match=f"quantization_config.{field}"):
         tensor_layout(model)
+
+
+def _tensors(directory: Path) -> dict[str, tuple[str, bytes]]:
+    """name -> (dtype, stored bytes) of every tensor of a checkpoint."""
+    from colibri.checkpoint import read_header
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        data = f.read_bytes()
+        out.update({t.name: (t.dtype, data[t.begin:t.end]) for t in read_header(f).tensors})
+    return out
+
+
+def test_convert_reads_packed_experts_as_their_dequantized_values(engine_binary, models, tmp_path):
+    """coli convert reads weight_packed as (u - 8) * scale: the container made from the int4 checkpoint is byte for
+    byte the one made from its dequantized f32 copy (scales and shapes consumed, not written), and it runs."""
+    _, int4_dir, deq_dir = models
+    outs = []
+    for src in (int4_dir, deq_dir):
+        out = tmp_path / f"container-{src.name}"
+        result = CliRunner().invoke(app, ["convert", "--model", str(src), "--out", str(out), "--experts", "int4",
+                                          "--dense", "f32"])
+        assert result.exit_code == 0, result.output
+        outs.append(_tensors(out))
+    from_int4, from_deq = outs
+    expert_keys = sorted(k for k in from_deq if ".mlp.experts." in k)
+    assert expert_keys and sorted(k for k in from_int4 if ".mlp.experts." in k) == expert_keys
+    for k in expert_keys:
+        assert from_int4[k] == from_deq[k], k
+    prompt = list(range(7, 30))
+    with start(engine_binary, tmp_path / f"container-{int4_dir.name}", 1) as engine:
+        assert len(engine.generate(prompt, max_tokens=4).tokens) == 4

@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from ..checkpoint import DTYPE_BYTES, TensorInfo
-from . import fp8_source
+from . import fp8_source, int4_source
 from .plan import Item
 from .schemes import f32_to_bf16_bits, quantize, to_f32
 
@@ -61,11 +61,15 @@ def produce(item: Item, fd: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tup
     t = item.source
     if item.quant is not None:
         scales = []
+        source_row_bytes = t.shape[1] // 2 if item.packed_int4 else row_bytes(t)
         for r0, r1 in row_chunks(t, chunk_bytes):
-            rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
+            if item.packed_int4:
+                rows = int4_source.read_rows(fd, t, item.scale, r0, r1)
+            else:
+                rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
             q, s = quantize(item.quant, rows)
             scales.append(s.astype("<f2").tobytes())
-            yield q.tobytes(), (r1 - r0) * row_bytes(t)
+            yield q.tobytes(), (r1 - r0) * source_row_bytes
         yield b"".join(scales), 0
         return
     if item.scheme == "copy" or item.parts[0].dtype == t.dtype:
