@@ -161,13 +161,14 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     tied = bool(r["cfg"].get("tie_word_embeddings", False))
     embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
     # GLM-5-FP8 ships block-FP8 like DeepSeek-V3 (runtime fp8.h reads it for every family)
-    q = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
+    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
                                       required + list(embeddings) + [n for _, n in routers], experts)
     return TensorLayout(
         embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
-        routers=tuple(routers), experts=tuple(q.experts), required=tuple(required), buffers=tuple(buffers + q.buffers),
+        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
+        buffers=tuple(buffers + stored.buffers),
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
-        packed_int4=tuple(q.packed_int4))
+        packed_int4=tuple(stored.packed_int4))
 
 
 @hookimpl

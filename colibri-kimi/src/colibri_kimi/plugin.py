@@ -180,13 +180,14 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
     # Which weights are fp8 / int4-packed is read from the checkpoint (scale companions, _packed tensors), never
     # from names; an expert's scales belong to its bytes (a cache slot holds them); scales are buffers.
-    q = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
+    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
                                       required + list(embeddings) + [n for _, n in routers], experts)
     return TensorLayout(
         embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
-        routers=tuple(routers), experts=tuple(q.experts), required=tuple(required), buffers=tuple(buffers + q.buffers),
+        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
+        buffers=tuple(buffers + stored.buffers),
         skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
-        packed_int4=tuple(q.packed_int4))
+        packed_int4=tuple(stored.packed_int4))
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).

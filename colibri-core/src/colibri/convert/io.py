@@ -63,7 +63,7 @@ def produce(item: Item, fd: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tup
         scales = []
         source_row_bytes = t.shape[1] // 2 if item.packed_int4 else row_bytes(t)
         for r0, r1 in row_chunks(t, chunk_bytes):
-            if item.packed_int4:
+            if item.packed_int4 and item.scale is not None:
                 rows = int4_source.read_rows(fd, t, item.scale, r0, r1)
             else:
                 rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)

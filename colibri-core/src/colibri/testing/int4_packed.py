@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -24,7 +25,7 @@ from .. import int4_packed
 from .fp8 import _copy_side_files, _load_all
 
 GROUP = 32
-QUANTIZATION_CONFIG = {
+QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": int4_packed.METHOD, "format": int4_packed.FORMAT, "quantization_status": "compressed",
     "config_groups": {"group_0": {
         "targets": ["Linear"], "input_activations": None, "output_activations": None,
