@@ -11,7 +11,6 @@ evicted), with the indexer's top-8 sparse over the 72 positions.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,15 +22,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri.builder import build_family  # noqa: E402
-from colibri.cli import app  # noqa: E402
-from colibri.engine import Engine  # noqa: E402
-from colibri.errors import ConfigError  # noqa: E402
 from colibri.model import read_config  # noqa: E402
-from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing import sources  # noqa: E402
 from colibri.testing.fp8 import write_dequantized, write_fp8_checkpoint  # noqa: E402
-from colibri.testing.parity import check_every_cache_size, pick_prompt  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
 
 from colibri_glm.plugin import engine_hparams, tensor_layout  # noqa: E402
 
@@ -48,61 +41,34 @@ def engine_binary() -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm5-fp8")
-    built = tiny_model("glm_moe_dsa", root / "tiny", seed=SEED, **OVERRIDES)
-    fp8_dir = write_fp8_checkpoint(built.path, root / "fp8")
-    return built, fp8_dir, write_dequantized(fp8_dir, root / "dequantized")
+    return sources.quantized_pair(tmp_path_factory.mktemp("glm5-fp8"), "glm_moe_dsa", write_fp8_checkpoint,
+                                  write_dequantized, seed=SEED, **OVERRIDES)
 
 
-def resolved(path: Path, **change) -> ResolvedModel:
-    cfg = dict(read_config(path), **change)
-    return ResolvedModel(path, "glm", cfg["model_type"], cfg)
+def start(binary: Path, model_dir: Path, cap: int):
+    return sources.start_engine(binary, model_dir, "glm", engine_hparams, cap)
 
 
-def start(binary: Path, model_dir: Path, cap: int) -> Engine:
-    argv = [str(binary), "--model", str(model_dir), "--ctx", "128", "--slots", "1", "--cap", str(cap),
-            "--threads", "2", *engine_hparams(resolved(model_dir))]
-    return Engine(argv)
-
-
-def test_fp8_glm5_matches_transformers_on_dequantized_weights(engine_binary, models):
+def test_fp8_glm5_matches_transformers_and_its_dequantized_copy(engine_binary, models):
+    """Every cache size against transformers; bit for bit against the dequantized copy (the kernels form e4m3 *
+    scale in f32 and sum as the float kernels do, indexer projections included). An fp8 expert miss is two reads:
+    the weights' span and the scales' span."""
     _, fp8_dir, deq_dir = models
     cfg = read_config(fp8_dir)
     assert cfg["model_type"] == "glm_moe_dsa" and cfg["quantization_config"]["quant_method"] == "fp8"
     reference = transformers.AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
-    prompt, ref_logits, ref_tokens = pick_prompt(reference)
-    moe_layers = cfg["num_hidden_layers"] - 1   # tiny: one leading dense layer
-    runs = check_every_cache_size(lambda cap: start(engine_binary, fp8_dir, cap), prompt, ref_logits, ref_tokens,
-                                  moe_layers=moe_layers, experts=cfg["n_routed_experts"])
-    for cap, (_, stats) in runs.items():
-        assert stats["reads"] == [2 * m for m in stats["misses"]], f"cap {cap}: weights' span + scales' span"
-
-
-def test_fp8_glm5_equals_its_dequantized_copy_bit_for_bit(engine_binary, models):
-    """The kernels form e4m3 * scale in f32 and sum as the float kernels do (indexer projections included)."""
-    _, fp8_dir, deq_dir = models
-    prompt = list(range(3, 40))
-    runs = []
-    for model_dir in (fp8_dir, deq_dir):
-        with start(engine_binary, model_dir, 0) as engine:
-            runs.append(engine.generate(prompt, max_tokens=8, logits=True))
-    assert runs[0].tokens == runs[1].tokens and runs[0].logits == runs[1].logits
+    sources.check_against_dequantized(lambda d, cap: start(engine_binary, d, cap), fp8_dir, deq_dir, reference,
+                                      moe_layers=cfg["num_hidden_layers"] - 1,   # tiny: one leading dense layer
+                                      experts=cfg["n_routed_experts"], reads_per_miss=2)
 
 
 def test_info_counts_fp8_glm5_like_transformers(models):
     built, fp8_dir, _ = models
-    result = CliRunner().invoke(app, ["info", "--json", "--model", str(fp8_dir)])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["parameters"]["total"] == built.num_parameters, "scales are not parameters"
-    on_disk = sum(f.stat().st_size for f in fp8_dir.glob("*.safetensors"))
-    assert 0 < on_disk - data["bytes"]["total"] < 64 * 1024, "every stored byte is counted"
-    layout = tensor_layout(resolved(fp8_dir))
+    sources.info_counts(fp8_dir, built.num_parameters)
+    layout = tensor_layout(sources.resolved(fp8_dir, "glm"))
     assert all(len(x.tensors) == 6 for x in layout.experts), "an expert's bytes include its scales"
     assert "model.layers.1.self_attn.indexer.wk.weight_scale_inv" in layout.buffers
     assert "model.layers.1.self_attn.indexer.weights_proj.weight_scale_inv" not in layout.buffers
-    result = CliRunner().invoke(app, ["doctor", "--model", str(fp8_dir)])
-    assert result.exit_code == 0 and "\nfail" not in result.output, result.output
 
 
 def test_other_quantization_configs_are_refused_for_glm5(models):
@@ -110,8 +76,5 @@ def test_other_quantization_configs_are_refused_for_glm5(models):
     for qc, field in (({"quant_method": "awq"}, "quant_method"),
                       ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size"),
                       ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format")):
-        model = resolved(fp8_dir, quantization_config=qc)
-        with pytest.raises(ConfigError, match=f"config.json: quantization_config.{field}"):
-            engine_hparams(model)
-        with pytest.raises(ConfigError, match=f"quantization_config.{field}"):
-            tensor_layout(model)
+        sources.refuses(sources.resolved(fp8_dir, "glm", quantization_config=qc), field, engine_hparams,
+                        tensor_layout)

@@ -9,8 +9,6 @@ dequantized f32 copy. The scale and shape tensors are consumed with their weight
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .. import int4_packed
@@ -62,7 +60,7 @@ def consumed_by(index: TensorIndex, names) -> set[str]:
 
 def read_rows(fd: int, t: TensorInfo, scale: TensorInfo, r0: int, r1: int) -> np.ndarray:
     """Rows ``[r0, r1)`` of a packed int4 weight (``t`` as :func:`source_of` gives it) dequantized to f32."""
-    from .io import pread_exact   # io dispatches here: a module-level import would be circular
+    from .io import pread_exact, pread_rows_of   # io dispatches here: a module-level import would be circular
 
     cols = t.shape[1]
     raw = pread_exact(fd, (r1 - r0) * cols // 2, t.begin + r0 * cols // 2, t.file)
@@ -71,12 +69,6 @@ def read_rows(fd: int, t: TensorInfo, scale: TensorInfo, r0: int, r1: int) -> np
     u[:, 0::2], u[:, 1::2] = b & 15, b >> 4            # little-endian words: value 2i low nibble of byte i
     levels = (u - int4_packed.OFFSET).astype(np.float32)
     groups = scale.shape[1]
-    row_bytes = scale.nbytes // scale.shape[0]
-    sfd = fd if scale.file == t.file else os.open(scale.file, os.O_RDONLY)
-    try:
-        sraw = pread_exact(sfd, (r1 - r0) * row_bytes, scale.begin + r0 * row_bytes, scale.file)
-    finally:
-        if sfd != fd:
-            os.close(sfd)
+    sraw = pread_rows_of(fd, t, scale, r0, r1)
     s = to_f32(sraw, scale.dtype, (r1 - r0, groups))
     return levels * np.repeat(s, cols // groups, axis=1)   # f32 x f32: one rounding each, exact here

@@ -36,6 +36,18 @@ def pread_exact(fd: int, size: int, offset: int, path: object) -> bytes:
     return data
 
 
+def pread_rows_of(fd: int, weight: TensorInfo, companion: TensorInfo, r0: int, r1: int) -> bytes:
+    """Rows ``[r0, r1)`` of a weight's companion tensor (its scales), read through ``fd`` when it lives in the
+    weight's file, else through a descriptor opened for the read."""
+    row = companion.nbytes // companion.shape[0]
+    cfd = fd if companion.file == weight.file else os.open(companion.file, os.O_RDONLY)
+    try:
+        return pread_exact(cfd, (r1 - r0) * row, companion.begin + r0 * row, companion.file)
+    finally:
+        if cfd != fd:
+            os.close(cfd)
+
+
 def row_bytes(t: TensorInfo) -> int:
     cols = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     return int(cols * DTYPE_BYTES[t.dtype])
