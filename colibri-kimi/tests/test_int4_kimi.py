@@ -108,5 +108,14 @@ def test_convert_reads_packed_experts_as_their_dequantized_values(engine_binary,
         assert result.exit_code == 0, result.output
         outs.append({k: v for k, v in sources.stored_tensors(out).items() if ".mlp.experts." in k})
     assert outs[0] and outs[0] == outs[1]
-    with start(engine_binary, tmp_path / f"container-{int4_dir.name}", 1) as engine:
+    container = tmp_path / f"container-{int4_dir.name}"
+    with start(engine_binary, container, 1) as engine:
         assert len(engine.generate(list(range(7, 30)), max_tokens=4).tokens) == 4
+    # coli plan projected that container from the packed source's headers: the same expert bytes and disk
+    planned = CliRunner().invoke(app, ["plan", "--json", "--model", str(int4_dir), "--ram", "1", "--experts", "int4",
+                                       "--dense", "f32"])
+    assert planned.exit_code == 0, planned.output
+    info = CliRunner().invoke(app, ["info", "--json", "--model", str(container)])
+    plan, real = json.loads(planned.stdout), json.loads(info.stdout)
+    assert plan["expert_bytes"] == real["bytes"]["per_expert"] > 0
+    assert plan["projected_container"]["container_bytes"] == sum(f.stat().st_size for f in container.glob("*.safetensors"))
