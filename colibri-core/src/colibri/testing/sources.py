@@ -17,7 +17,7 @@ from ..records import ResolvedModel
 
 def resolved(path: Path, family: str, **change: Any) -> ResolvedModel:
     """The checkpoint at ``path`` as ``family`` resolves it, with config.json fields replaced by ``change``."""
-    cfg = dict(read_config(path), **change)
+    cfg = dict(read_config(path) or {}, **change)
     return ResolvedModel(path, family, cfg["model_type"], cfg)
 
 
