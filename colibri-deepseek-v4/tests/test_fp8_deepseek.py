@@ -28,6 +28,7 @@ from colibri.errors import ConfigError  # noqa: E402
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
 from colibri.testing.fp8 import released_choice, write_dequantized, write_fp8_checkpoint  # noqa: E402
+from colibri.testing.sources import stored_tensors  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -146,17 +147,6 @@ def test_other_quantization_configs_are_refused(root):
             tensor_layout(model)
 
 
-def _tensors(directory: Path) -> dict[str, tuple[str, bytes]]:
-    """name -> (dtype, stored bytes) of every tensor of a checkpoint."""
-    from colibri.checkpoint import read_header
-
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        data = f.read_bytes()
-        out.update({t.name: (t.dtype, data[t.begin:t.end]) for t in read_header(f).tensors})
-    return out
-
-
 def test_convert_fp8_source_equals_dequantized_source(engine_binary, root):
     """coli convert reads FP8 weights as e4m3 * scale: the experts of the container made from the FP8 checkpoint
     are byte-identical to those made from its dequantized f32 copy; dense FP8 matrices stay FP8 (read natively)."""
@@ -167,7 +157,7 @@ def test_convert_fp8_source_equals_dequantized_source(engine_binary, root):
         out = root / f"container-{src.name}-{experts}"
         result = CliRunner().invoke(app, ["convert", "--model", str(src), "--out", str(out), "--experts", experts])
         assert result.exit_code == 0, result.output
-        outs.append(_tensors(out))
+        outs.append(stored_tensors(out))
     from_fp8, from_deq = outs
     expert_keys = sorted(k for k in from_deq if ".mlp.experts." in k)
     assert expert_keys and sorted(k for k in from_fp8 if ".mlp.experts." in k) == expert_keys, (

@@ -25,12 +25,13 @@ from colibri.engine import Engine  # noqa: E402
 from colibri.errors import ConfigError  # noqa: E402
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
+from colibri.testing import sources  # noqa: E402
 from colibri.testing.fp8 import write_dequantized, write_fp8_checkpoint  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from colibri_kimi.plugin import engine_hparams, tensor_layout  # noqa: E402
 from colibri.testing.parity import GREEDY_TOKENS, LOGIT_TOL, pick_prompt  # noqa: E402
+from kimi_reference import load_reference  # noqa: E402
 
 OVERRIDES = {"intermediate_size": 200, "moe_intermediate_size": 136}
 
@@ -42,29 +43,16 @@ def engine_binary() -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kimi-fp8")
-    built = tiny_model("kimi_k2", root / "tiny", seed=0, **OVERRIDES)
-    fp8_dir = write_fp8_checkpoint(built.path, root / "fp8")
-    return built, fp8_dir, write_dequantized(fp8_dir, root / "dequantized")
+    return sources.quantized_pair(tmp_path_factory.mktemp("kimi-fp8"), "kimi_k2", write_fp8_checkpoint,
+                                  write_dequantized, **OVERRIDES)
 
 
 def resolved(path: Path, **change) -> ResolvedModel:
-    cfg = dict(read_config(path), **change)
-    return ResolvedModel(path, "kimi", cfg["model_type"], cfg)
+    return sources.resolved(path, "kimi", **change)
 
 
 def start(binary: Path, model_dir: Path, cap: int) -> Engine:
-    argv = [str(binary), "--model", str(model_dir), "--ctx", "128", "--slots", "1", "--cap", str(cap),
-            "--threads", "2", *engine_hparams(resolved(model_dir))]
-    return Engine(argv)
-
-
-def load_reference(path: Path):
-    """transformers' DeepSeek-V3 on the kimi_k2 checkpoint (its config read as a DeepseekV3Config)."""
-    data = json.loads((path / "config.json").read_text())
-    data["model_type"] = "deepseek_v3"
-    config = transformers.DeepseekV3Config.from_dict(data)
-    return transformers.DeepseekV3ForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    return sources.start_engine(binary, model_dir, "kimi", engine_hparams, cap)
 
 
 def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(engine_binary, models):
@@ -99,7 +87,7 @@ def test_info_counts_fp8_like_transformers(models):
 
 def test_other_quantization_configs_are_refused(models):
     _, fp8_dir, _ = models
-    for qc, field in (({"quant_method": "compressed-tensors"}, "quant_method"),
+    for qc, field in (({"quant_method": "awq"}, "quant_method"),
                       ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size")):
         model = resolved(fp8_dir, quantization_config=qc)
         with pytest.raises(ConfigError, match=f"config.json: quantization_config.{field}"):

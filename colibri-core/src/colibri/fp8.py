@@ -18,6 +18,7 @@ from typing import Any
 
 from . import checkpoint
 from .errors import ConfigError
+from .records import ExpertTensors
 
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -71,3 +72,14 @@ def tensor_names(model_dir: Path) -> frozenset[str]:
 def companions(names: Iterable[str], present: frozenset[str]) -> dict[str, str]:
     """weight name -> its scale tensor, for the weights among ``names`` that have one in ``present``."""
     return {n: scale_name(n) for n in names if scale_name(n) in present}
+
+
+def with_scales(present: frozenset[str], dense: Iterable[str],
+                experts: Iterable[ExpertTensors]) -> tuple[list[ExpertTensors], list[str]]:
+    """(experts with their scale companions appended, every scale name) for a block-FP8 checkpoint whose tensor
+    names are ``present``: an expert's scales belong to its bytes (a cache slot holds them); scales are buffers."""
+    out = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(companions(x.tensors, present).values()))
+           for x in experts]
+    scales = list(companions(dense, present).values())
+    scales += [n for x in out for n in x.tensors if n.endswith(SCALE_SUFFIX)]
+    return out, scales

@@ -13,9 +13,11 @@ import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import int4_packed
 from .checkpoint import TensorInfo
 from .errors import UsageError
 from .inventory import ModelFacts
+from .records import ExpertTensors, TensorLayout
 
 
 @dataclass(frozen=True)
@@ -46,5 +48,16 @@ def project(facts: ModelFacts, experts: str, dense: str) -> Projection:
     tensors = copy.copy(facts.tensors)
     tensors.tensors = logical
     container_bytes = sum(len(s.header_bytes()) + s.data_bytes for s in plan.shards)
-    return Projection(replace(facts, tensors=tensors), experts, dense, len(plan.shards), container_bytes,
-                      plan.source_bytes)
+    return Projection(replace(facts, tensors=tensors, layout=_container_layout(facts.layout)), experts, dense,
+                      len(plan.shards), container_bytes, plan.source_bytes)
+
+
+def _container_layout(layout: TensorLayout | None) -> TensorLayout | None:
+    """The layout as the container will be read: convert stores a packed int4 expert matrix under its logical
+    ``X.weight`` name (convert/int4_source.py), so the expert names its ``X.weight_packed`` no more."""
+    if layout is None or not layout.packed_int4:
+        return layout
+    packed, cut = set(layout.packed_int4), len(int4_packed.PACKED_SUFFIX)
+    experts = tuple(ExpertTensors(x.layer, x.expert, tuple(n[:-cut] if n in packed else n for n in x.tensors))
+                    for x in layout.experts)
+    return replace(layout, experts=experts, packed_int4=())

@@ -124,6 +124,8 @@ class TensorLayout:
                                            # tid2eid): loaded and counted in bytes, never in parameter counts
     packed_fp4: tuple[str, ...] = ()       # FP4 weights stored as I8/U8, two values per byte (DeepSeek-V4's
                                            # experts): each stored element is two parameters
+    packed_int4: tuple[str, ...] = ()      # int4 compressed-tensors weights stored as I32, eight values per element
+                                           # (Kimi K2-Thinking's experts, colibri.int4_packed)
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
                                            # the stored shape of a tensor as the config implies it (any role but
                                            # routed experts); doctor --deep, convert and run refuse a mismatch

@@ -63,8 +63,11 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
         embedding_names = set(layout.embeddings) | ({layout.lm_head} if layout.lm_head else set())
     buffers = set(layout.buffers) if layout is not None else set()
     packed = set(layout.packed_fp4) if layout is not None else set()
+    packed_int4 = set(layout.packed_int4) if layout is not None else set()
 
-    def params(t) -> int:   # values, not stored elements: packed FP4 in I8/U8 holds two per byte
+    def params(t) -> int:   # values, not stored elements: packed FP4 in I8/U8 holds two per byte, int4 in I32 eight
+        if t.name in packed_int4 and t.dtype == "I32":
+            return t.numel * 8
         return t.numel * 2 if t.name in packed and t.dtype in ("I8", "U8") else t.numel
 
     total = skipped_params = routed = buffer_elements = 0

@@ -252,11 +252,7 @@ def _with_fp8_scales(model_dir: Path, dense: list[str], experts: list[ExpertTens
                      buffers: list[str]) -> tuple[list[ExpertTensors], list[str]]:
     """Block-FP8 checkpoints: each weight that has a ``weight_scale_inv`` companion on disk gets it (an expert's
     scales belong to its bytes, so a cache slot holds them). Scales are buffers, not parameters (colibri.fp8)."""
-    present = fp8.tensor_names(model_dir)
-    experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(fp8.companions(x.tensors, present).values()))
-               for x in experts]
-    scales = list(fp8.companions(dense, present).values())
-    scales += [n for x in experts for n in x.tensors if n.endswith(fp8.SCALE_SUFFIX)]
+    experts, scales = fp8.with_scales(fp8.tensor_names(model_dir), dense, experts)
     return experts, buffers + scales
 
 

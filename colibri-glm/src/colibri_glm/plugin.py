@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from colibri import configs, hookimpl
+from colibri import configs, hookimpl, source_quant
 from colibri.engine_args import (
     check_rope_type, kv_bytes, mla_softmax_scale, rope_scaling_values, set_args,
 )
@@ -159,11 +159,16 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
     tied = bool(r["cfg"].get("tie_word_embeddings", False))
+    embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+    # GLM-5-FP8 ships block-FP8 like DeepSeek-V3 (runtime fp8.h reads it for every family)
+    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
+                                      required + list(embeddings) + [n for _, n in routers], experts)
     return TensorLayout(
-        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
-        lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
-        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
+        embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
+        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
+        buffers=tuple(buffers + stored.buffers),
+        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
+        packed_int4=tuple(stored.packed_int4))
 
 
 @hookimpl
@@ -222,6 +227,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     """The ``--set key=value`` arguments of the GLM engine, resolved from config.json."""
     r = _read(model)
     cfg, n, where = r["cfg"], r["layers"], str(model.path / "config.json")
+    source_quant.check_config(cfg, where)   # block-FP8 / int4-packed weights load natively; other schemes are refused
     rope = configs.rope(cfg, default_partial=1.0 if r["mla"] else 0.5)
     check_rope_type(rope, where, FAMILY, ENGINE_ROPE_TYPES)
     values: dict[str, Any] = dict(

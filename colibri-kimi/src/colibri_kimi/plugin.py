@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from colibri import configs, fp8, hookimpl
+from colibri import configs, fp8, hookimpl, source_quant
 from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
 from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
@@ -177,20 +177,17 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         if r["shared"]:
             required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
     tied = bool(r["cfg"].get("tie_word_embeddings", False))
-    if fp8.check_config(r["cfg"], str(model.path / "config.json")):
-        # Which weights are fp8 is read from the checkpoint (a weight_scale_inv companion), never from names; an
-        # expert's scales belong to its bytes (a cache slot holds them); scales are buffers, not parameters.
-        present = fp8.tensor_names(model.path)
-        experts = [ExpertTensors(x.layer, x.expert, x.tensors + tuple(fp8.companions(x.tensors, present).values()))
-                   for x in experts]
-        dense = required + ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
-        buffers += list(fp8.companions(dense + [n for _, n in routers], present).values())
-        buffers += [n for x in experts for n in x.tensors if n.endswith(fp8.SCALE_SUFFIX)]
+    embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+    # Which weights are fp8 / int4-packed is read from the checkpoint (scale companions, _packed tensors), never
+    # from names; an expert's scales belong to its bytes (a cache slot holds them); scales are buffers.
+    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
+                                      required + list(embeddings) + [n for _, n in routers], experts)
     return TensorLayout(
-        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
-        lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
-        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
+        embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
+        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
+        buffers=tuple(buffers + stored.buffers),
+        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
+        packed_int4=tuple(stored.packed_int4))
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
@@ -232,7 +229,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         raise ConfigError(f"{where}: no engine for {model.model_type} yet",
                           f"the kimi engine runs {', '.join(ENGINES)}")
     r = _read(model)
-    fp8.check_config(r["cfg"], where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
+    source_quant.check_config(r["cfg"], where)   # block-FP8 and int4-packed weights load natively; others refused
     if r["linear"]:
         return _linear_hparams(model, r, where)
     cfg, n = r["cfg"], r["layers"]

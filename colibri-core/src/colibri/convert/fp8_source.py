@@ -9,7 +9,6 @@ scheme does not quantize are copied with their scales: the runtime reads them na
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -63,19 +62,13 @@ def _scales_f32(raw: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 def read_rows(fd: int, t: TensorInfo, scale: TensorInfo, r0: int, r1: int) -> np.ndarray:
     """Rows ``[r0, r1)`` of an FP8 weight read from ``fd``, dequantized to f32 (the scale may be in another
     shard, opened for the read)."""
-    from .io import pread_exact   # io dispatches here: a module-level import would be circular
+    from .io import pread_exact, pread_rows_of   # io dispatches here: a module-level import would be circular
 
     cols = t.shape[1]
     raw = pread_exact(fd, (r1 - r0) * cols, t.begin + r0 * cols, t.file)
     levels = E4M3[np.frombuffer(raw, dtype=np.uint8)].reshape(r1 - r0, cols)
     b0, b1 = r0 // fp8.BLOCK, (r1 - 1) // fp8.BLOCK + 1
-    row_bytes = scale.nbytes // scale.shape[0]
-    sfd = fd if scale.file == t.file else os.open(scale.file, os.O_RDONLY)
-    try:
-        sraw = pread_exact(sfd, (b1 - b0) * row_bytes, scale.begin + b0 * row_bytes, scale.file)
-    finally:
-        if sfd != fd:
-            os.close(sfd)
+    sraw = pread_rows_of(fd, t, scale, b0, b1)
     blocks = _scales_f32(sraw, scale.dtype, (b1 - b0, scale.shape[1]))
     full = np.repeat(np.repeat(blocks, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)
     return levels * full[r0 - b0 * fp8.BLOCK:r1 - b0 * fp8.BLOCK, :cols]   # f32 x f32: one rounding each

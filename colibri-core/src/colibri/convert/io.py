@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from ..checkpoint import DTYPE_BYTES, TensorInfo
-from . import fp8_source
+from . import fp8_source, int4_source
 from .plan import Item
 from .schemes import f32_to_bf16_bits, quantize, to_f32
 
@@ -34,6 +34,18 @@ def pread_exact(fd: int, size: int, offset: int, path: object) -> bytes:
             got += len(more)
         data = b"".join(chunks)
     return data
+
+
+def pread_rows_of(fd: int, weight: TensorInfo, companion: TensorInfo, r0: int, r1: int) -> bytes:
+    """Rows ``[r0, r1)`` of a weight's companion tensor (its scales), read through ``fd`` when it lives in the
+    weight's file, else through a descriptor opened for the read."""
+    row = companion.nbytes // companion.shape[0]
+    cfd = fd if companion.file == weight.file else os.open(companion.file, os.O_RDONLY)
+    try:
+        return pread_exact(cfd, (r1 - r0) * row, companion.begin + r0 * row, companion.file)
+    finally:
+        if cfd != fd:
+            os.close(cfd)
 
 
 def row_bytes(t: TensorInfo) -> int:
@@ -61,11 +73,15 @@ def produce(item: Item, fd: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tup
     t = item.source
     if item.quant is not None:
         scales = []
+        source_row_bytes = t.shape[1] // 2 if item.packed_int4 else row_bytes(t)
         for r0, r1 in row_chunks(t, chunk_bytes):
-            rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
+            if item.packed_int4 and item.scale is not None:
+                rows = int4_source.read_rows(fd, t, item.scale, r0, r1)
+            else:
+                rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
             q, s = quantize(item.quant, rows)
             scales.append(s.astype("<f2").tobytes())
-            yield q.tobytes(), (r1 - r0) * row_bytes(t)
+            yield q.tobytes(), (r1 - r0) * source_row_bytes
         yield b"".join(scales), 0
         return
     if item.scheme == "copy" or item.parts[0].dtype == t.dtype:

@@ -17,7 +17,7 @@ from .. import __version__
 from ..checkpoint import DTYPE_BYTES, LAYER_INDEX, TensorIndex, TensorInfo
 from ..errors import CheckpointError, UsageError
 from ..records import ConverterSpec, TensorLayout
-from . import fp8_source
+from . import fp8_source, int4_source
 from .container import CONTAINER_VERSION, SCALES_DTYPE, qweight_name, scales_name, shard_metadata
 from .schemes import BY_OPTION, COPY_SCHEME, FLOAT_SOURCE_DTYPES, INT4, INT8, Scheme
 
@@ -45,7 +45,8 @@ class Item:
     scheme: str                          # scheme-map value
     quant: Scheme | None
     parts: tuple[Part, ...]
-    scale: TensorInfo | None = None      # an FP8 source's block scales: read dequantized (fp8_source.py)
+    scale: TensorInfo | None = None      # an FP8 source's block scales: read dequantized (fp8_source.py), or
+    packed_int4: bool = False            # with this, a packed int4 source's group scales (int4_source.py)
 
     @property
     def nbytes(self) -> int:
@@ -192,10 +193,18 @@ def build_plan(index: TensorIndex, layout: TensorLayout, spec: ConverterSpec, ex
     expert_names: set[str] = set()
     for ex in layout.experts:
         items = []
-        consumed = fp8_source.scales_of(index, ex.tensors)   # read with their FP8 weights, never written
+        # scales (and int4 shapes) are read with their FP8 / packed weights, never written
+        consumed = fp8_source.scales_of(index, ex.tensors) | int4_source.consumed_by(index, ex.tensors)
         expert_names |= consumed
         for name in ex.tensors:
             if name in consumed:
+                continue
+            packed = int4_source.source_of(index, name)
+            if packed is not None:
+                logical, scale = packed
+                item = _quant_item(logical, expert_scheme, "routed-expert", "--experts", fallbacks, scale)
+                items.append(Item(item.source, item.scheme, item.quant, item.parts, scale, packed_int4=True))
+                expert_names.add(name)
                 continue
             if name not in index:
                 raise CheckpointError(f"{index.shard_sets[0].directory}: routed-expert tensor {name!r} "

@@ -171,8 +171,8 @@ void cbx_count_read(cb_expert_layer *L, int e) {
     L->count.bytes_read += loc->single_read ? loc->span_bytes : pieces;
 }
 
-/* Locate a native expert's three matrices, and their block scales when the checkpoint is fp8 (all three or
- * none: a scale companion on only some of them is refused). */
+/* Locate a native expert's three matrices, and their scales when the checkpoint is fp8, fp4 or packed int4 (all
+ * three or none: a scale companion on only some of them is refused). */
 int cbx_locate_native(cb_expert_location *loc, const cb_st_index *idx, const char *const names[3], int layer,
                          int e, int hidden, int inter, char *err, size_t errlen) {
     for (int m = 0; m < 3; m++) {
@@ -180,13 +180,18 @@ int cbx_locate_native(cb_expert_location *loc, const cb_st_index *idx, const cha
         snprintf(name, sizeof name, names[m], layer, e);
         int rows = m == CB_DOWN ? hidden : inter, cols = m == CB_DOWN ? inter : hidden;
         const cb_tensor *t, *sc;
-        int rc4 = cb_fp4_locate(idx, name, rows, cols, &t, &sc, err, errlen);   /* fp4 first: I8/U8/F4 + scale */
+        int group = 0;
+        int rci = cb_i4p_locate(idx, name, rows, cols, &t, &sc, &group, err, errlen);   /* X.weight_packed */
+        if (rci < 0) return -1;
+        int rc4 = rci == 0 ? 1 : cb_fp4_locate(idx, name, rows, cols, &t, &sc, err, errlen);   /* I8/U8/F4 + scale */
         if (rc4 < 0) return -1;
-        int rc = rc4 == 0 ? 0 : cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
+        int rc = rci == 0 || rc4 == 0 ? 0 : cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
         if (rc < 0) return -1;
-        if (m > 0 && rc == 0 && (rc4 == 0) != (loc->kind == CB_MAT_FP4)) {
+        cb_mat_kind kind = rci == 0 ? CB_MAT_I4P : rc4 == 0 ? CB_MAT_FP4 : CB_MAT_FP8;
+        if (m > 0 && rc == 0 && kind != loc->kind) {
             snprintf(err, errlen, "layer %d expert %d: %s is %s but its other matrices are not; an expert's three "
-                     "matrices share one format", layer, e, name, rc4 == 0 ? "fp4" : "fp8");
+                     "matrices share one format", layer, e, name,
+                     kind == CB_MAT_I4P ? "packed int4" : kind == CB_MAT_FP4 ? "fp4" : "fp8");
             return -1;
         }
         if (m > 0 && (rc == 0) != cb_expert_scaled(loc)) {
@@ -199,10 +204,11 @@ int cbx_locate_native(cb_expert_location *loc, const cb_st_index *idx, const cha
             int64_t dims[2] = {rows, cols};
             if (!(t = cb_st_expect(idx, name, 2, dims, err, errlen))) return -1;
         } else {
-            loc->kind = rc4 == 0 ? CB_MAT_FP4 : CB_MAT_FP8;
+            loc->kind = kind;
             loc->sc_offset[m] = sc->offset;
             loc->sc_nbytes[m] = sc->nbytes;
             loc->sc_shard[m] = sc->shard;
+            loc->sc_group[m] = group;
             if (loc->kind == CB_MAT_FP4) cb_fp4_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
             else cb_fp8_scale_kind_of(sc->dtype_name, &loc->sc_kind[m]);
         }

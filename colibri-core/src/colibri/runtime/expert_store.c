@@ -192,7 +192,10 @@ static void expert_view(const cb_expert_layer *L, int e, const char *base, cb_ex
         const uint8_t *w = (const uint8_t *)(base + loc->rel[m]);
         const void *scales = base + loc->rel_scales[m];
         cb_matrix *M = &view->m[m];
-        if (loc->kind == CB_MAT_FP4) {
+        if (loc->kind == CB_MAT_I4P) {
+            *M = (cb_matrix){.kind = CB_MAT_I4P, .rows = rows, .cols = cols};
+            M->i4 = (cb_i4pmatrix){rows, cols, loc->sc_group[m], w, scales, loc->sc_kind[m]};
+        } else if (loc->kind == CB_MAT_FP4) {
             *M = (cb_matrix){.kind = CB_MAT_FP4, .rows = rows, .cols = cols};
             M->f4 = (cb_fp4matrix){rows, cols, w, scales, loc->sc_kind[m]};
         } else if (loc->kind == CB_MAT_FP8) {

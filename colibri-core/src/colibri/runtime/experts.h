@@ -63,11 +63,12 @@ typedef struct {
     int sc_shard[3];
     uint64_t sc_offset[3], sc_nbytes[3];
     cb_fp8_scale_kind sc_kind[3];
+    int sc_group[3];           /* CB_MAT_I4P: columns per scale */
 } cb_expert_location;
 
-/* Whether an expert's matrices come with scale tensors to read (fp8 and fp4). */
+/* Whether an expert's matrices come with scale tensors to read (fp8, fp4 and packed int4). */
 static inline int cb_expert_scaled(const cb_expert_location *loc) {
-    return loc->kind == CB_MAT_FP8 || loc->kind == CB_MAT_FP4;
+    return loc->kind == CB_MAT_FP8 || loc->kind == CB_MAT_FP4 || loc->kind == CB_MAT_I4P;
 }
 
 typedef struct {

@@ -15,6 +15,7 @@ void cb_matrix_apply(const cb_matrix *W, float *Y, const float *X, int n) {
     case CB_MAT_INT: (void)cb_qlinear_apply(&W->q, Y, X, n); return;
     case CB_MAT_FP8: cb_fp8_matmul(Y, &W->f8, X, n); return;
     case CB_MAT_FP4: cb_fp4_matmul(Y, &W->f4, X, n); return;
+    case CB_MAT_I4P: cb_i4p_matmul(Y, &W->i4, X, n); return;
     case CB_MAT_FLOAT: break;
     }
     if (n == 1) cb_matvec(Y, W->f.w, W->f.dt, X, W->rows, W->cols);
@@ -26,6 +27,7 @@ void cb_matrix_row(float *out, const cb_matrix *W, int r) {
     case CB_MAT_INT: (void)cb_qdequant_row(out, &W->q, r); return;
     case CB_MAT_FP8: cb_fp8_dequant_row(out, &W->f8, r); return;
     case CB_MAT_FP4: cb_fp4_dequant_row(out, &W->f4, r); return;
+    case CB_MAT_I4P: cb_i4p_dequant_row(out, &W->i4, r); return;
     case CB_MAT_FLOAT: break;
     }
     size_t at = (size_t)r * (size_t)W->cols * cb_dtype_size(W->f.dt);

@@ -1,7 +1,7 @@
 /* matrix.h: one weight matrix in whatever form the checkpoint stores it, behind one tag.
  *
  * A matrix [rows, cols] (row-major) is float (F32/BF16/F16), colibri-quant integer levels + scales (quant.h),
- * block-quantized fp8 (fp8.h) or fp4 with per-32 scales (fp4.h). Linear layers (blocks.h's cb_linear) and routed
+ * block-quantized fp8 (fp8.h), fp4 with per-32 scales (fp4.h) or packed int4 with per-group scales (int4_packed.h). Linear layers (blocks.h's cb_linear) and routed
  * experts (experts.h's cb_expert_view) hold a cb_matrix, and every consumer goes through cb_matrix_apply /
  * cb_matrix_row instead of asking which form it is: the kind is decided once, where the checkpoint is read.
  * Each kind keeps its own numerics contract (the fp8/fp4 kernels give the float path's bits on the dequantized
@@ -14,10 +14,11 @@
 
 #include "fp4.h"
 #include "fp8.h"
+#include "int4_packed.h"
 #include "kernels.h"
 #include "quant.h"
 
-typedef enum { CB_MAT_FLOAT = 0, CB_MAT_INT = 1, CB_MAT_FP8 = 2, CB_MAT_FP4 = 3 } cb_mat_kind;
+typedef enum { CB_MAT_FLOAT = 0, CB_MAT_INT = 1, CB_MAT_FP8 = 2, CB_MAT_FP4 = 3, CB_MAT_I4P = 4 } cb_mat_kind;
 
 typedef struct {
     cb_mat_kind kind;
@@ -30,6 +31,7 @@ typedef struct {
         cb_qmatrix q;          /* CB_MAT_INT: int8-row / int4-g64 levels + F16 scales */
         cb_fp8matrix f8;       /* CB_MAT_FP8: e4m3 + 128x128 block scales */
         cb_fp4matrix f4;       /* CB_MAT_FP4: packed e2m1 + per-32 scales */
+        cb_i4pmatrix i4;       /* CB_MAT_I4P: compressed-tensors packed int4 + per-group scales (int4_packed.h) */
     };
 } cb_matrix;
 
