@@ -8,13 +8,12 @@ probabilities. There are no experts and no KV cache.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
-from colibri.records import Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
+from colibri.records import FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
 
 FAMILY = "decision"
 MODEL_TYPES = ("extractor",)
@@ -25,14 +24,6 @@ ENCODER_TYPES = ("bert", "deberta-v2", "deberta_v2")
 @hookimpl
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES, "decision checkpoints: GLiNER2-style extractors (encoder + heads)")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    model_type = config.get("model_type") if config else None
-    if model_type in MODEL_TYPES:
-        return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
-    return None
 
 
 def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
