@@ -86,16 +86,4 @@ int cb_fp4_locate(const cb_st_index *idx, const char *name, int rows, int cols, 
     return 0;
 }
 
-int cb_fp4_load(void **buf, cb_fp4matrix *W, const cb_st_index *idx, const char *name, int rows, int cols,
-                size_t *bytes, char *err, size_t errlen) {
-    const cb_tensor *t, *sc;
-    int rc = cb_fp4_locate(idx, name, rows, cols, &t, &sc, err, errlen);
-    if (rc) return rc;
-    memset(W, 0, sizeof *W);
-    if (cb_scaled_read(buf, &W->scales, idx, t, sc, name, bytes, err, errlen)) return -1;
-    W->rows = rows;
-    W->cols = cols;
-    W->w = *buf;
-    cb_fp4_scale_kind_of(sc->dtype_name, &W->scale_kind);
-    return 0;
-}
+CB_BLOCKSCALED_LOAD(cb_fp4, cb_fp4matrix)

@@ -179,19 +179,7 @@ int cb_fp8_locate(const cb_st_index *idx, const char *name, int rows, int cols, 
     return 0;
 }
 
-int cb_fp8_load(void **buf, cb_fp8matrix *W, const cb_st_index *idx, const char *name, int rows, int cols,
-                size_t *bytes, char *err, size_t errlen) {
-    const cb_tensor *t, *sc;
-    int rc = cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
-    if (rc) return rc;
-    memset(W, 0, sizeof *W);
-    if (cb_scaled_read(buf, &W->scales, idx, t, sc, name, bytes, err, errlen)) return -1;
-    W->rows = rows;
-    W->cols = cols;
-    W->w = *buf;
-    cb_fp8_scale_kind_of(sc->dtype_name, &W->scale_kind);
-    return 0;
-}
+CB_BLOCKSCALED_LOAD(cb_fp8, cb_fp8matrix)
 
 int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
                    const char *name, size_t *bytes, char *err, size_t errlen) {
