@@ -1,16 +1,14 @@
-/* swiglu.h: the dense gated MLP  down(silu(gate x) * up x)  (dense layers, shared experts). */
+/* swiglu.h: the dense gated MLP  down(silu(gate x) * up x)  (dense layers, shared experts).
+ *
+ * It is mlp.h's block without the sigmoid row gate, one implementation under the name its call sites use. */
 #ifndef COLIBRI_SWIGLU_H
 #define COLIBRI_SWIGLU_H
 
 #include <stddef.h>
 
-#include "blocks.h"
+#include "mlp.h"
 
-typedef struct {
-    int hidden, inter, max_batch;
-    cb_linear gate, up, down;
-    float *g, *u;              /* scratch: max_batch x inter each */
-} cb_swiglu;
+typedef cb_mlp cb_swiglu;
 
 /* Load <prefix>gate_proj.weight, up_proj.weight, down_proj.weight (prefix e.g. "model.layers.0.mlp."). */
 int cb_swiglu_init(cb_swiglu *m, const cb_st_index *idx, const char *prefix, int hidden, int inter, int max_batch,
