@@ -17,7 +17,8 @@ from colibri.engine import Engine
 from colibri.records import ResolvedModel
 from colibri.server.codec import TokenizerCodec
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))   # family_syntax beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's serve harness
 from family_syntax import FAMILIES, TOOLS
 from serve_harness import fake_argv, start_server
 
@@ -198,7 +199,7 @@ def test_readme_tool_example_runs(served):
     import io
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "tool_calls" in block)
     force(server, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>")
     ForcingEngine.prompts.clear()
