@@ -46,11 +46,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tiny")
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model_dir(request, tiny_root) -> Path:
     kind, package = FAMILIES[request.param]

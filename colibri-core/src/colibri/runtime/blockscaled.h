@@ -47,24 +47,6 @@
                             int r1) {                                                                            \
         PREFIX##_rows_scalar(Y, ldy, W, X, ldx, n, r0, r1);                                                        \
     }
-/* PREFIX_load over the format's PREFIX_locate and PREFIX_scale_kind_of: 1 when the tensor is not of the format, 0
- * with *buf owning weights then scales (cb_scaled_read) and *W pointing into it, -1 with a message. Expanded in the
- * format's file (it needs fp8.h and string.h). */
-#define CB_BLOCKSCALED_LOAD(PREFIX, MTYPE)                                                                         \
-    int PREFIX##_load(void **buf, MTYPE *W, const cb_st_index *idx, const char *name, int rows, int cols,          \
-                      size_t *bytes, char *err, size_t errlen) {                                                 \
-        const cb_tensor *t, *sc;                                                                                   \
-        int rc = PREFIX##_locate(idx, name, rows, cols, &t, &sc, err, errlen);                                     \
-        if (rc) return rc;                                                                                         \
-        memset(W, 0, sizeof *W);                                                                                   \
-        if (cb_scaled_read(buf, &W->scales, idx, t, sc, name, bytes, err, errlen)) return -1;                      \
-        W->rows = rows;                                                                                            \
-        W->cols = cols;                                                                                            \
-        W->w = *buf;                                                                                               \
-        PREFIX##_scale_kind_of(sc->dtype_name, &W->scale_kind);                                                    \
-        return 0;                                                                                                  \
-    }
-
 #endif
 
 /* PREFIX_rows_avx2 over the file's row_tile: inputs in tiles of four (each row's weights decoded once per tile),
