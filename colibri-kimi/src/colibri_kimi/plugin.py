@@ -174,7 +174,7 @@ ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C,), run
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
 # noaux_tc whatever the config says.
-K2_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)   # DeepseekV3Config's
+K2_DEFAULTS: dict[str, Any] = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
 K2_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
