@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from colibri import plugins
 from colibri.cli import app
 from colibri.testing.tiny import KINDS, tiny_model
 from typer.testing import CliRunner
@@ -17,18 +16,7 @@ from typer.testing import CliRunner
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny-all")
-
-
-@pytest.fixture(autouse=True)
-def installed_families(monkeypatch):
-    monkeypatch.delenv("COLIBRI_LOAD_PLUGINS", raising=False)
-    monkeypatch.delenv("COLIBRI_DISABLE_PLUGINS", raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
+pytestmark = pytest.mark.usefixtures("installed_families")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -109,3 +109,67 @@ def test_ci_builds_every_package():
     assert "packaging" in readme_commands()[1].split()
     source = (ROOT / "noxfile.py").read_text()
     assert '"build", "--no-isolation"' in source and '"twine", "check", "--strict"' in source
+
+
+# What core's own tests may not need: a family package (core must not know one) or torch/transformers (core's tests
+# run on the checkpoint core writes itself, colibri-core/tests/tiny_checkpoint.py). Tests that need them are
+# cross-package and live in this folder.
+TORCH_STACK = ("torch", "transformers", "diffusers", "accelerate")
+TORCH_HELPERS = ("colibri.testing.parity", "colibri.testing.quality")   # they run models tiny_model builds
+
+
+def family_import_names() -> set[str]:
+    """The import package of every family plugin in the repository (its colibri.families entry points)."""
+    names = set()
+    for pyproject in ROOT.glob("colibri-*/pyproject.toml"):
+        with open(pyproject, "rb") as fh:
+            points = tomllib.load(fh).get("project", {}).get("entry-points", {}).get("colibri.families", {})
+        names.update(target.split(":")[0].split(".")[0] for target in points.values())
+    return names
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file: import statements (at any depth), and the string arguments of
+    pytest.importorskip, importlib.import_module and __import__."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("importorskip", "import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def forbidden_in_core_tests(module: str, families: set[str]) -> bool:
+    top = module.split(".")[0]
+    return (top in families or top in TORCH_STACK or module == "colibri.testing.tiny.tiny_model"
+            or any(module == h or module.startswith(h + ".") for h in TORCH_HELPERS))
+
+
+def test_core_tests_import_no_family_package_and_no_torch():
+    families = family_import_names()
+    assert {"colibri_olmoe", "colibri_qwen", "colibri_kimi"} <= families
+    offenders = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+                 for path in sorted((ROOT / "colibri-core" / "tests").rglob("*.py"))
+                 for line, module in imported_modules(path) if forbidden_in_core_tests(module, families)]
+    assert not offenders, "core's own tests must run without families and torch (move these to tests/):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_import_check_sees_every_spelling(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("import os\nimport torch.nn\nfrom colibri_glm import plugin\nfrom colibri.testing.tiny import "
+                      "tiny_model, ChatStyle\n\ndef f(pytest):\n    import transformers\n"
+                      "    pytest.importorskip('colibri_qwen')\n    from colibri.testing.parity import x\n")
+    families = {"colibri_glm", "colibri_qwen"}
+    bad = [(line, m) for line, m in imported_modules(sample) if forbidden_in_core_tests(m, families)]
+    assert sorted(line for line, _ in bad) == [2, 3, 3, 4, 7, 8, 9, 9]
+    assert not forbidden_in_core_tests("colibri.testing.tiny.ChatStyle", families)

@@ -279,17 +279,6 @@ def test_quantize_rejects_non_finite_and_overflowing_scales():
         quantize(INT8, np.array([[1e10, 1.0]], dtype=np.float32))
 
 
-def test_bf16_rounding_matches_torch():
-    torch = pytest.importorskip("torch")
-    from colibri.convert.schemes import f32_to_bf16_bits
-
-    rng = np.random.default_rng(3)
-    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 1e3,
-                        np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40], dtype=np.float32)])
-    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    np.testing.assert_array_equal(f32_to_bf16_bits(x), want)
-
-
 # --------------------------------------------------------------------------------------------- the hook
 def test_hook_converter_spec_default_derives_from_layout(tiny_src):
     model = resolve(tiny_src)

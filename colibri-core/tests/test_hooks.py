@@ -292,3 +292,51 @@ def test_limits_leave_max_context_to_the_geometry(olmoe):
     with pytest.raises(UsageError, match="--ctx 4097 exceeds the 4096 tokens"):
         check_limits(olmoe, limits, 4097, 1, model_context=4096)
     check_limits(olmoe, limits, 1 << 20, 1)                       # nothing known: nothing to refuse
+
+
+def test_hook_render_prompt_default_renders_the_checkpoint_template(olmoe_family, tiny_olmoe):
+    """A family that does not answer render_prompt gets core's: the checkpoint's chat template, with the request's
+    template options, and the renderer's own variables are not the request's to replace. (Each family's template
+    style against transformers' rendering: tests/test_tool_prompts.py.)"""
+    from colibri import hooks
+    from colibri.errors import UsageError
+
+    model = resolve_model(tiny_olmoe.path)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    with_prompt = hooks.render_prompt(model, messages, None, {"add_generation_prompt": True})
+    assert with_prompt == "<|system|>\nBe terse.\n<|user|>\nhi\n<|assistant|>\n"
+    assert hooks.render_prompt(model, messages, None, {"add_generation_prompt": False}) == with_prompt.removesuffix(
+        "<|assistant|>\n")
+    with pytest.raises(UsageError, match="'messages'"):
+        hooks.render_prompt(model, messages, None, {"template_kwargs": {"messages": []}})
+
+
+def test_hook_parse_output_has_no_core_default_and_routes_to_the_family(olmoe, family_class):
+    """(every real family's syntax, chunked every way: tests/test_output_parser.py)"""
+    from colibri import hooks
+    from colibri.output_parser import CONTENT, REASONING, OutputParser, OutputSyntax, ToolCall, ToolSection
+
+    assert hooks.parse_output(olmoe) is None          # no core default: the reply is plain answer text
+
+    def decode(body, schemas):
+        call = json.loads(body)
+        return [ToolCall(call["name"], json.dumps(call["arguments"]))]
+
+    syntax = OutputSyntax("<think>", "</think>", (ToolSection("<call>", "</call>", decode),))
+
+    class WithSyntax(family_class):
+        @hookimpl
+        def parse_output(self, model):
+            return OutputParser(syntax)
+
+    plugins.reset()
+    plugins.register(WithSyntax(), "testolmoe")
+    parser = hooks.parse_output(olmoe).begin([{"type": "function", "function": {"name": "f"}}])
+    events = []
+    for chunk in ("<thi", "nk>why</think>so <ca", 'll>{"name": "f", "arguments": {"x": 1}}</call>'):
+        events += parser.feed(chunk)
+    events += parser.finish()
+    texts = [(e.channel, e.text) for e in events if hasattr(e, "channel")]
+    assert "".join(t for c, t in texts if c == REASONING) == "why"
+    assert "".join(t for c, t in texts if c == CONTENT).strip() == "so"
+    assert [e.call for e in events if hasattr(e, "call")] == [ToolCall("f", '{"x": 1}')]

@@ -15,10 +15,10 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def wide_olmoe(tiny_root):
-    """The tiny OLMoE with experts 64 wide, so int4's groups of 64 inputs fit every matrix."""
-    from colibri.testing.tiny import tiny_model
+    """Core's tiny OLMoE-layout checkpoint with experts 64 wide, so int4's groups of 64 inputs fit every matrix."""
+    from tiny_checkpoint import write_checkpoint
 
-    return tiny_model("olmoe", tiny_root, intermediate_size=64).path
+    return write_checkpoint(tiny_root / "olmoe-wide", intermediate_size=64).path
 
 
 def plan_json(*args):

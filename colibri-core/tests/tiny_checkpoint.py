@@ -40,9 +40,9 @@ class CoreCheckpoint:
     num_parameters: int
 
 
-def tensors(seed: int = 0) -> list[tuple[str, np.ndarray]]:
+def tensors(seed: int = 0, config: dict | None = None) -> list[tuple[str, np.ndarray]]:
     """Every tensor, by name: matrices N(0, 1/fan_in), norms 1 + 0.1 N (O(1) scale, so routing is not uniform)."""
-    c, rng = CONFIG, np.random.default_rng(seed)
+    c, rng = config or CONFIG, np.random.default_rng(seed)
     h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
                                           "model.norm.weight": (h,)}
@@ -66,16 +66,18 @@ def tensors(seed: int = 0) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def write_checkpoint(out: Path, seed: int = 0) -> CoreCheckpoint:
-    """Write the checkpoint into ``out`` (created through a temporary directory renamed into place)."""
+def write_checkpoint(out: Path, seed: int = 0, intermediate_size: int = CONFIG["intermediate_size"]) -> CoreCheckpoint:
+    """Write the checkpoint into ``out`` (created through a temporary directory renamed into place); the experts
+    ``intermediate_size`` wide."""
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         ids = train_tokenizer(staging, STYLE, CONFIG["vocab_size"], CONFIG["max_position_embeddings"])
-        config = {**CONFIG, "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
+        config = {**CONFIG, "intermediate_size": intermediate_size, "bos_token_id": ids["bos"],
+                  "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": ids["bos"], "pad_token_id": ids["pad"], "do_sample": False}, indent=2) + "\n")
-        weights = tensors(seed)
+        weights = tensors(seed, config)
         write_safetensors(staging / "model.safetensors", weights, {"format": "pt"})
         staging.rename(out)
     finally:

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from colibri import plugins
 from colibri.errors import ConfigError
 from colibri.model import resolve_model
-from colibri.testing.checks import check_layout_against_checkpoint, resolved
+from colibri.testing.checks import check_layout_against_checkpoint, claim_of, resolved
 from colibri.testing.tiny import tiny_model
 from colibri_decision import plugin
 
@@ -38,7 +38,7 @@ def test_entry_point_registers_family():
 
 @pytest.mark.parametrize("model_type", ("extractor", "bert", "deberta-v2", "olmoe", None))
 def test_detect_config(tmp_path, model_type):
-    claim = plugin.detect_config(model_dir=tmp_path, config={"model_type": model_type})
+    claim = claim_of(plugin.FAMILY, tmp_path, {"model_type": model_type})
     assert (claim is not None) == (model_type == "extractor")
 
 

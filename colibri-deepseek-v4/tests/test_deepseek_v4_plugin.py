@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from colibri import configs, plugins
 from colibri.errors import ConfigError
 from colibri.model import resolve_model
-from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent
+from colibri.testing.checks import check_layout_against_checkpoint, claim_of, resolved, routers_and_experts_consistent
 from colibri.testing.tiny import tiny_model
 from colibri_deepseek_v4 import plugin
 
@@ -63,7 +63,7 @@ def test_entry_point_registers_family():
 
 @pytest.mark.parametrize("model_type", KINDS + ("deepseek_v2", "kimi_k2", "glm_moe_dsa", None))
 def test_detect_config(tmp_path, model_type):
-    claim = plugin.detect_config(model_dir=tmp_path, config={"model_type": model_type})
+    claim = claim_of(plugin.FAMILY, tmp_path, {"model_type": model_type})
     assert (claim is not None) == (model_type in KINDS)
     if claim:
         assert (claim.family, claim.model_type) == (FAMILY, model_type)

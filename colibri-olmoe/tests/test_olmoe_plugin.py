@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from colibri import plugins
 from colibri.errors import ConfigError
 from colibri.model import resolve_model
-from colibri.testing.checks import check_layout_against_checkpoint, resolved, routers_and_experts_consistent
+from colibri.testing.checks import check_layout_against_checkpoint, claim_of, resolved, routers_and_experts_consistent
 from colibri.testing.tiny import tiny_model
 from colibri_olmoe import plugin
 
@@ -41,11 +41,11 @@ def test_entry_point_registers_family():
                                                 (None, False)])
 def test_detect_config(tmp_path, model_type, claimed):
     config = {"model_type": model_type} if model_type else {}
-    claim = plugin.detect_config(model_dir=tmp_path, config=config)
+    claim = claim_of(plugin.FAMILY, tmp_path, config)
     assert (claim is not None) == claimed
     if claimed:
         assert claim.family == "olmoe" and claim.model_type == "olmoe"
-    assert plugin.detect_config(model_dir=tmp_path, config=None) is None
+    assert claim_of(plugin.FAMILY, tmp_path, None) is None
 
 
 def test_resolve_tiny_model_through_entry_points(tiny_root):

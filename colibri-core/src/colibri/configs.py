@@ -141,6 +141,15 @@ def optional_int(config: Mapping[str, Any], *names: str, default: int = 0, where
     return require_int(config, *names, where=where)
 
 
+def mla_dims(config: Mapping[str, Any], where: str = "config.json") -> dict[str, int]:
+    """Multi-head latent attention's ranks and head split: ``q_lora`` (0: a full-rank q), ``kv_lora``, ``rope_dim``
+    and ``nope_dim`` (DeepSeek-V3's field names, which every MLA checkpoint uses)."""
+    return dict(q_lora=optional_int(config, "q_lora_rank", where=where),
+                kv_lora=require_int(config, "kv_lora_rank", where=where, minimum=1),
+                rope_dim=require_int(config, "qk_rope_head_dim", where=where, minimum=1),
+                nope_dim=require_int(config, "qk_nope_head_dim", where=where, minimum=0))
+
+
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's part of a config: ``text_config`` for multimodal wrappers, else the config itself."""
     inner = config.get("text_config")

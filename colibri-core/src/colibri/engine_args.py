@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from . import configs
 from .configs import Rope
 from .errors import ConfigError
 
@@ -122,3 +123,45 @@ def mla_softmax_scale(config: Mapping[str, Any], rope: Rope, qk_head_dim: int, w
 def _original_max_position(config: Mapping[str, Any], rope: Rope) -> Any:
     return (rope.scaling or {}).get("original_max_position_embeddings",
                                     config.get("original_max_position_embeddings"))
+
+
+def moe_decoder_values(config: Mapping[str, Any], r: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``--set`` values every routed-MoE decoder engine reads: sizes, expert counts, ``tie_word_embeddings``
+    and ``mlp_layers`` (one letter a layer, M routed or D dense). ``r`` is the family's reading of config.json with
+    the keys ``hidden``, ``layers``, ``heads``, ``vocab``, ``expert_width``, ``experts``, ``top_k``, ``shared`` and
+    ``moe_layers``."""
+    n = r["layers"]
+    return dict(
+        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
+        intermediate_size=configs.require_int(config, "intermediate_size", where=where, minimum=1),
+        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
+        n_shared_experts=r["shared"], tie_word_embeddings=int(bool(config.get("tie_word_embeddings", False))),
+        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
+    )
+
+
+def grouped_router_values(config: Mapping[str, Any], where: str, n_group: int = 1, topk_group: int = 1,
+                          routed_scaling_factor: float = 1.0, rms_norm_eps: float = 1e-5) -> dict[str, Any]:
+    """The router settings of DeepSeek-style grouped routing (the runtime's grouped_moe block) and the norm epsilon,
+    under either spelling the checkpoints use, with the config class's defaults for fields it omits."""
+    return dict(
+        n_group=configs.optional_int(config, "n_group", "num_expert_group", default=n_group, where=where),
+        topk_group=configs.optional_int(config, "topk_group", default=topk_group, where=where),
+        norm_topk_prob=int(bool(configs.first_of(config, "norm_topk_prob", "moe_renormalize", default=True))),
+        routed_scaling_factor=repr(configs.require_number(config, "routed_scaling_factor", routed_scaling_factor,
+                                                          where=where)),
+        rms_norm_eps=repr(configs.require_number(config, "rms_norm_eps", rms_norm_eps, where=where)),
+    )
+
+
+def mla_values(r: Mapping[str, Any], v_head_dim: int) -> dict[str, Any]:
+    """Multi-head latent attention's sizes from a reading with ``q_lora``, ``kv_lora``, ``nope_dim``, ``rope_dim``
+    (:func:`colibri.configs.mla_dims`)."""
+    return dict(q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"], qk_nope_head_dim=r["nope_dim"],
+                qk_rope_head_dim=r["rope_dim"], v_head_dim=v_head_dim)
+
+
+def mla_rope_values(config: Mapping[str, Any], rope: Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
+    """RoPE scaling settings as the engine reads them, and DeepSeek-style attention's softmax scale."""
+    return dict(rope_scaling_values(config, rope, where),
+                attention_scale=repr(mla_softmax_scale(config, rope, qk_head_dim, where)))

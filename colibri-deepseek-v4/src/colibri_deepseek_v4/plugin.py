@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl
-from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
-from colibri.hooks import claim_by_model_type
+from colibri.engine_args import (
+    check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values, moe_decoder_values, set_args,
+)
+from colibri.layouts import EXPERT_W, LayoutParts, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
 )
 
@@ -35,11 +37,6 @@ V4_DEFAULT_HASH_LAYERS = 3
 @hookimpl
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES, "DeepSeek MoE: V3 / R1 (MLA), V3.2 (MLA + DSA), V4 (CSA/HCA)")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:
@@ -66,9 +63,7 @@ def _common(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 def _read_mla(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     r = _common(cfg, where)
     r.update(
-        kv_lora=configs.require_int(cfg, "kv_lora_rank", where=where, minimum=1),
-        rope_dim=configs.require_int(cfg, "qk_rope_head_dim", where=where, minimum=1),
-        nope_dim=configs.require_int(cfg, "qk_nope_head_dim", where=where, minimum=0),
+        configs.mla_dims(cfg, where),
         v_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
         moe_layers=configs.moe_layer_indices(cfg, r["layers"], where=where),
     )
@@ -193,67 +188,24 @@ def _geometry_v4(model: ResolvedModel, cfg: Mapping[str, Any], where: str) -> Ge
     )
 
 
-def _mla_attention(cfg: Mapping[str, Any], r: dict[str, Any], p: str, indexer: bool) -> tuple[list, list]:
-    sa = p + "self_attn."
-    norms, req = [sa + "kv_a_layernorm.weight"], []
-    bias = bool(cfg.get("attention_bias", False))
-    if r["q_lora"]:
-        norms.append(sa + "q_a_layernorm.weight")
-        req += [sa + "q_a_proj.weight", sa + "q_b_proj.weight"] + ([sa + "q_a_proj.bias"] if bias else [])
-    else:
-        req.append(sa + "q_proj.weight")
-    req += [sa + "kv_a_proj_with_mqa.weight", sa + "kv_b_proj.weight", sa + "o_proj.weight"]
-    if bias:
-        req += [sa + "kv_a_proj_with_mqa.bias", sa + "o_proj.bias"]
-    if indexer:
-        ix = sa + "indexer."
-        norms.append(ix + "k_norm.weight")
-        req += [ix + "wq_b.weight", ix + "wk.weight", ix + "k_norm.bias", ix + "weights_proj.weight"]
-    return norms, req
-
-
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     cfg, where = model.config, _where(model)
     if model.model_type == "deepseek_v4":
         return _layout_v4(cfg, _read_v4(cfg, where), fp8.tensor_names(model.path))
     r = _read_mla(cfg, where)
-    norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
+    parts = LayoutParts()
+    bias = bool(cfg.get("attention_bias", False))
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
-        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        attn_norms, attn = _mla_attention(cfg, r, p, indexer=model.model_type == "deepseek_v32")
-        norms += attn_norms
-        required += attn
-        m = p + "mlp."
-        if i not in r["moe_layers"]:
-            required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
-            continue
-        routers.append((i, m + "gate.weight"))
-        buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
-        for e in range(r["experts"]):
-            q = f"{m}experts.{e}."
-            experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
-        if r["shared"]:
-            required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    tied = bool(cfg.get("tie_word_embeddings", False))
+        parts.layer(p, mla_attention(p + "self_attn.", r["q_lora"], bias, indexer=model.model_type == "deepseek_v32"))
+        if i in r["moe_layers"]:
+            parts.moe(i, p + "mlp.", r["experts"], r["shared"])
+        else:
+            parts.required += projections(p + "mlp.")
     if fp8.check_config(cfg, where):
-        embeds = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
-        experts, buffers = _with_fp8_scales(model.path, required + embeds + [n for _, n in routers], experts,
-                                            buffers)
-    return TensorLayout(
-        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight"),
-        lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
-        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]))
-
-
-def _with_fp8_scales(model_dir: Path, dense: list[str], experts: list[ExpertTensors],
-                     buffers: list[str]) -> tuple[list[ExpertTensors], list[str]]:
-    """Block-FP8 checkpoints: each weight that has a ``weight_scale_inv`` companion on disk gets it (an expert's
-    scales belong to its bytes, so a cache slot holds them). Scales are buffers, not parameters (colibri.fp8)."""
-    experts, scales = fp8.with_scales(fp8.tensor_names(model_dir), dense, experts)
-    return experts, buffers + scales
+        parts.add_fp8_scales(model.path, cfg)
+    return parts.layout(cfg, r["layers"], r["nextn"])
 
 
 # transformers' save names -> DeepSeek's release names (its reference inference code's); layer-level names agree.
@@ -304,8 +256,8 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any], present: frozenset[str
 
 
 def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
-    norms, routers, experts, buffers = ["model.norm.weight"], [], [], []
-    required = ["model.hc_head.hc_base", "model.hc_head.hc_fn", "model.hc_head.hc_scale"]
+    parts = LayoutParts(required=["model.hc_head.hc_base", "model.hc_head.hc_fn", "model.hc_head.hc_scale"])
+    norms, required = parts.norms, parts.required
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
         a = p + "attn."
@@ -326,21 +278,10 @@ def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
         if i not in r["moe_layers"]:
             required += [f"{f}{w}.weight" for w in ("w1", "w2", "w3")]
             continue
-        routers.append((i, f + "gate.weight"))
-        # Both are buffers in transformers (the token -> experts table, the selection bias), not parameters.
-        buffers.append(f + ("gate.tid2eid" if i in r["hash_layers"] else "gate.bias"))
-        for e in range(r["experts"]):
-            q = f"{f}experts.{e}."
-            experts.append(ExpertTensors(i, e, (q + "w1.weight", q + "w3.weight", q + "w2.weight")))
-        if r["shared"]:
-            required += [f"{f}shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    skipped = configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]) + ("mtp.",)
-    return TensorLayout(
-        embeddings=("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "head.weight"),
-        lm_head=None if tied else "head.weight", norms=tuple(norms), routers=tuple(routers),
-        experts=tuple(experts), required=tuple(required), buffers=tuple(buffers),
-        skipped_prefixes=skipped)
+        # The bias is the token -> experts table on hash-routed layers, else the selection bias.
+        parts.moe(i, f, r["experts"], r["shared"], EXPERT_W, "gate.tid2eid" if i in r["hash_layers"] else "gate.bias",
+                  shared_names=("w1.weight", "w2.weight", "w3.weight"))
+    return parts.layout(cfg, r["layers"], r["nextn"], head="head.weight", skipped=("mtp.",))
 
 
 @hookimpl
@@ -377,7 +318,7 @@ ENGINES = {"deepseek_v3": MLA_ENGINE, "deepseek_v32": MLA_ENGINE,
 # RoPE types the engine implements (colibri runtime blocks.c cb_rope_init); anything else is refused here.
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # transformers' DeepseekV3Config defaults, for configs that omit a field.
-V3_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6, n_shared_experts=1)
+V3_ROUTING_DEFAULTS: dict[str, Any] = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
 
 
 def _check_router(cfg: Mapping[str, Any], where: str) -> None:
@@ -388,12 +329,6 @@ def _check_router(cfg: Mapping[str, Any], where: str) -> None:
         if value is not None and value != want:
             raise ConfigError(f"{where}: {key} {value!r} is not supported by the deepseek engine",
                               f"the engine implements {key} {want!r} (DeepSeek-V3's router)")
-
-
-def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, and DeepSeek's softmax scale."""
-    return dict(rope_scaling_values(cfg, rope, where),
-                attention_scale=repr(mla_softmax_scale(cfg, rope, qk_head_dim, where)))
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
@@ -407,24 +342,13 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     r = _read_mla(cfg, where)
     _check_router(cfg, where)
     fp8.check_config(cfg, where)   # block-FP8 weights load natively (runtime fp8.h); other schemes are refused
-    n = r["layers"]
     rope = configs.rope(cfg)
-    if rope.rope_type not in ENGINE_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the deepseek engine yet",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    d: dict[str, Any] = {k: cfg.get(k) if cfg.get(k) is not None else v for k, v in V3_DEFAULTS.items()}
+    check_rope_type(rope, where, "deepseek", ENGINE_ROPE_TYPES)
     values: dict[str, Any] = dict(
-        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
-        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
-        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
-        n_shared_experts=int(d["n_shared_experts"]), n_group=int(d["n_group"]), topk_group=int(d["topk_group"]),
-        norm_topk_prob=int(bool(cfg.get("norm_topk_prob", True))),
-        routed_scaling_factor=repr(float(d["routed_scaling_factor"])), rms_norm_eps=repr(float(d["rms_norm_eps"])),
-        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
-        attention_bias=int(bool(cfg.get("attention_bias", False))),
-        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
-        rope_theta=repr(rope.theta), rope_type=rope.rope_type, q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"],
-        qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"], v_head_dim=r["v_dim"],
+        moe_decoder_values(cfg, r, where), **grouped_router_values(cfg, where, **V3_ROUTING_DEFAULTS),
+        n_shared_experts=configs.optional_int(cfg, "n_shared_experts", default=1, where=where),
+        attention_bias=int(bool(cfg.get("attention_bias", False))), rope_theta=repr(rope.theta),
+        rope_type=rope.rope_type, **mla_values(r, r["v_dim"]),
     )
     if model.model_type == "deepseek_v32":
         if float(values.get("rope_attention_factor", 1.0)) != 1.0:
@@ -442,7 +366,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
                       index_topk=configs.optional_int(cfg, "index_topk", default=2048, where=where))
     else:
         values.update(attention="mla", rope_interleave=int(bool(cfg.get("rope_interleave", True))))
-    values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
+    values.update(mla_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
     return set_args(values)
 
 

@@ -14,12 +14,13 @@ from typing import Any, Mapping
 
 from colibri import configs, hookimpl, source_quant
 from colibri.engine_args import (
-    check_rope_type, kv_bytes, mla_softmax_scale, rope_scaling_values, set_args,
+    check_rope_type, grouped_router_values, kv_bytes, mla_softmax_scale, mla_values, moe_decoder_values,
+    rope_scaling_values, set_args,
 )
-from colibri.hooks import claim_by_model_type
+from colibri.layouts import LayoutParts, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    ConverterSpec, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
 )
 
@@ -34,11 +35,6 @@ DEFAULT_FIRST_DENSE = {"glm4_moe": 1, "glm4_moe_lite": 1, "glm_moe_dsa": 3}
 @hookimpl
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES, "GLM MoE: GLM-4.5/4.6/4.7, GLM-4.7-Flash (MLA), GLM-5 (MLA + DSA)")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    return claim_by_model_type(describe_family(), config)
 
 
 def _moe_layers(model_type: str, cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
@@ -68,13 +64,7 @@ def _read(model: ResolvedModel) -> dict[str, Any]:
         moe_layers=_moe_layers(model.model_type, cfg, n, where),
     )
     if r["mla"]:
-        r.update(
-            q_lora=configs.optional_int(cfg, "q_lora_rank", where=where),
-            kv_lora=configs.require_int(cfg, "kv_lora_rank", where=where, minimum=1),
-            rope_dim=configs.require_int(cfg, "qk_rope_head_dim", where=where, minimum=1),
-            nope_dim=configs.require_int(cfg, "qk_nope_head_dim", where=where, minimum=0),
-            kv_heads=heads,
-        )
+        r.update(configs.mla_dims(cfg, where), kv_heads=heads)
         r["head_dim"] = r["nope_dim"] + r["rope_dim"]
     else:
         r.update(kv_heads=configs.optional_int(cfg, "num_key_value_heads", default=heads, where=where),
@@ -123,52 +113,23 @@ def _attention(model_type: str, r: dict[str, Any], p: str) -> tuple[list[str], l
         if cfg.get("attention_bias"):
             req += [f"{sa}{x}_proj.bias" for x in "qkv"]
         return norms, req
-    norms, req = [sa + "kv_a_layernorm.weight"], []
-    if r["q_lora"]:
-        norms.append(sa + "q_a_layernorm.weight")
-        req += [sa + "q_a_proj.weight", sa + "q_b_proj.weight"]
-    else:
-        req.append(sa + "q_proj.weight")
-    req += [sa + "kv_a_proj_with_mqa.weight", sa + "kv_b_proj.weight", sa + "o_proj.weight"]
-    if model_type == "glm_moe_dsa":
-        ix = sa + "indexer."
-        norms.append(ix + "k_norm.weight")
-        req += [ix + "wq_b.weight", ix + "wk.weight", ix + "k_norm.bias", ix + "weights_proj.weight"]
-    return norms, req
+    return mla_attention(sa, r["q_lora"], indexer=model_type == "glm_moe_dsa")
 
 
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     r = _read(model)
-    norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
+    parts = LayoutParts()
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
-        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        attn_norms, attn = _attention(model.model_type, r, p)
-        norms += attn_norms
-        required += attn
-        m = p + "mlp."
-        if i not in r["moe_layers"]:
-            required += [f"{m}{x}_proj.weight" for x in ("gate", "up", "down")]
-            continue
-        routers.append((i, m + "gate.weight"))
-        buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
-        for e in range(r["experts"]):
-            q = f"{m}experts.{e}."
-            experts.append(ExpertTensors(i, e, (q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")))
-        if r["shared"]:
-            required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    tied = bool(r["cfg"].get("tie_word_embeddings", False))
-    embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+        parts.layer(p, _attention(model.model_type, r, p))
+        if i in r["moe_layers"]:
+            parts.moe(i, p + "mlp.", r["experts"], r["shared"])
+        else:
+            parts.required += projections(p + "mlp.")
     # GLM-5-FP8 ships block-FP8 like DeepSeek-V3 (runtime fp8.h reads it for every family)
-    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
-                                      required + list(embeddings) + [n for _, n in routers], experts)
-    return TensorLayout(
-        embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
-        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
-        buffers=tuple(buffers + stored.buffers),
-        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
-        packed_int4=tuple(stored.packed_int4))
+    parts.add_source_quant(model.path, r["cfg"], str(model.path / "config.json"))
+    return parts.layout(r["cfg"], r["layers"], r["nextn"])
 
 
 @hookimpl
@@ -231,23 +192,13 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     rope = configs.rope(cfg, default_partial=1.0 if r["mla"] else 0.5)
     check_rope_type(rope, where, FAMILY, ENGINE_ROPE_TYPES)
     values: dict[str, Any] = dict(
-        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
-        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
-        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
-        n_shared_experts=r["shared"], n_group=configs.optional_int(cfg, "n_group", default=1, where=where),
-        topk_group=configs.optional_int(cfg, "topk_group", default=1, where=where),
-        norm_topk_prob=int(bool(cfg.get("norm_topk_prob", True))),
-        routed_scaling_factor=repr(float(cfg.get("routed_scaling_factor", 1.0))),
-        rms_norm_eps=repr(float(cfg.get("rms_norm_eps", 1e-5))),
-        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
-        attention_bias=int(bool(cfg.get("attention_bias", False))),
-        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
-        rope_theta=repr(rope.theta), rope_type=rope.rope_type,
+        moe_decoder_values(cfg, r, where), **grouped_router_values(cfg, where),
+        attention_bias=int(bool(cfg.get("attention_bias", False))), rope_theta=repr(rope.theta),
+        rope_type=rope.rope_type,
     )
     if r["mla"]:
-        values.update(attention="dsa" if model.model_type == "glm_moe_dsa" else "mla", q_lora_rank=r["q_lora"],
-                      kv_lora_rank=r["kv_lora"], qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"],
-                      v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1))
+        values.update(mla_values(r, configs.require_int(cfg, "v_head_dim", where=where, minimum=1)),
+                      attention="dsa" if model.model_type == "glm_moe_dsa" else "mla")
         if model.model_type == "glm_moe_dsa":
             if not r["q_lora"]:
                 raise ConfigError(f"{where}: glm_moe_dsa needs 'q_lora_rank' (the indexer reads the q latent)",

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl, source_quant
-from colibri.engine_args import kv_bytes, mla_softmax_scale, rope_scaling_values, set_args
-from colibri.hooks import claim_by_model_type
+from colibri.engine_args import (
+    check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values, moe_decoder_values, set_args,
+)
+from colibri.layouts import EXPERT_PROJ, EXPERT_W, LayoutParts, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
     TensorLayout,
 )
 
@@ -27,11 +29,6 @@ MODEL_TYPES = ("kimi_k2", "kimi_linear")
 @hookimpl
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES, "Kimi (Moonshot): Kimi K2 (DeepSeek-V3 architecture), Kimi Linear")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    return claim_by_model_type(describe_family(), config)
 
 
 def _linear_layer_types(cfg: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
@@ -72,10 +69,7 @@ def _read(model: ResolvedModel) -> dict[str, Any]:
         expert_width=configs.require_int(cfg, "moe_intermediate_size", where=where, minimum=1),
         shared=configs.optional_int(cfg, "n_shared_experts", "num_shared_experts", where=where),
         nextn=configs.optional_int(cfg, "num_nextn_predict_layers", where=where),
-        q_lora=configs.optional_int(cfg, "q_lora_rank", where=where),
-        kv_lora=configs.require_int(cfg, "kv_lora_rank", where=where, minimum=1),
-        rope_dim=configs.require_int(cfg, "qk_rope_head_dim", where=where, minimum=1),
-        nope_dim=configs.require_int(cfg, "qk_nope_head_dim", where=where, minimum=0),
+        **configs.mla_dims(cfg, where),
         moe_layers=configs.moe_layer_indices(moe_cfg, n, where=where),
         attn=_linear_layer_types(cfg, n, where) if linear else ("full_attention",) * n,
     )
@@ -124,17 +118,6 @@ def model_geometry(model: ResolvedModel) -> Geometry:
     )
 
 
-def _mla(r: dict[str, Any], sa: str) -> tuple[list[str], list[str]]:
-    norms, req = [sa + "kv_a_layernorm.weight"], []
-    if r["q_lora"]:
-        norms.append(sa + "q_a_layernorm.weight")
-        req += [sa + "q_a_proj.weight", sa + "q_b_proj.weight"]
-    else:
-        req.append(sa + "q_proj.weight")
-    req += [sa + "kv_a_proj_with_mqa.weight", sa + "kv_b_proj.weight", sa + "o_proj.weight"]
-    return norms, req
-
-
 def _kda(sa: str) -> tuple[list[str], list[str]]:
     weights = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "b_proj", "f_a_proj", "f_b_proj",
                "g_a_proj", "g_b_proj", "o_proj")
@@ -154,40 +137,20 @@ def _dense_prefix(model: ResolvedModel, layer: str) -> str:
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
     r = _read(model)
     moe_name = "block_sparse_moe." if r["linear"] else "mlp."
-    norms, routers, experts, required, buffers = ["model.norm.weight"], [], [], [], []
+    parts = LayoutParts()
     for i in range(r["layers"]):
         p = f"model.layers.{i}."
-        norms += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         full = r["attn"][i] == "full_attention"
-        attn_norms, attn = _mla(r, p + "self_attn.") if full else _kda(p + "self_attn.")
-        norms += attn_norms
-        required += attn
+        parts.layer(p, mla_attention(p + "self_attn.", r["q_lora"]) if full else _kda(p + "self_attn."))
         m = p + moe_name
-        if i not in r["moe_layers"]:
-            d = _dense_prefix(model, p) if r["linear"] else m
-            required += [f"{d}{x}_proj.weight" for x in ("gate", "up", "down")]
-            continue
-        routers.append((i, m + "gate.weight"))
-        buffers.append(m + "gate.e_score_correction_bias")  # a buffer in transformers, not a parameter
-        for e in range(r["experts"]):
-            q = f"{m}experts.{e}."
-            names = (q + "w1.weight", q + "w3.weight", q + "w2.weight") if r["linear"] else (
-                q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")
-            experts.append(ExpertTensors(i, e, names))
-        if r["shared"]:
-            required += [f"{m}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    tied = bool(r["cfg"].get("tie_word_embeddings", False))
-    embeddings = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+        if i in r["moe_layers"]:
+            parts.moe(i, m, r["experts"], r["shared"], EXPERT_W if r["linear"] else EXPERT_PROJ)
+        else:
+            parts.required += projections(_dense_prefix(model, p) if r["linear"] else m)
     # Which weights are fp8 / int4-packed is read from the checkpoint (scale companions, _packed tensors), never
     # from names; an expert's scales belong to its bytes (a cache slot holds them); scales are buffers.
-    stored = source_quant.quantized_layout(r["cfg"], str(model.path / "config.json"), model.path,
-                                      required + list(embeddings) + [n for _, n in routers], experts)
-    return TensorLayout(
-        embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
-        routers=tuple(routers), experts=tuple(stored.experts), required=tuple(required),
-        buffers=tuple(buffers + stored.buffers),
-        skipped_prefixes=configs.layer_range_prefixes("model.layers.", r["layers"], r["nextn"]),
-        packed_int4=tuple(stored.packed_int4))
+    parts.add_source_quant(model.path, r["cfg"], str(model.path / "config.json"))
+    return parts.layout(r["cfg"], r["layers"], r["nextn"])
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
@@ -212,14 +175,8 @@ ENGINES = {"kimi_k2": EngineSource(name="colibri-kimi", sources=(ENGINE_C,), run
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Kimi K2 ships DeepSeek-V3's config class: its defaults apply to omitted fields, and its router is sigmoid +
 # noaux_tc whatever the config says.
-K2_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
+K2_DEFAULTS: dict[str, Any] = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
 K2_ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
-
-
-def _rope_values(cfg: Mapping[str, Any], rope: configs.Rope, qk_head_dim: int, where: str) -> dict[str, Any]:
-    """RoPE scaling settings as the engine reads them, and DeepSeek's softmax scale."""
-    return dict(rope_scaling_values(cfg, rope, where),
-                attention_scale=repr(mla_softmax_scale(cfg, rope, qk_head_dim, where)))
 
 
 def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
@@ -232,58 +189,32 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
     source_quant.check_config(r["cfg"], where)   # block-FP8 and int4-packed weights load natively; others refused
     if r["linear"]:
         return _linear_hparams(model, r, where)
-    cfg, n = r["cfg"], r["layers"]
+    cfg = r["cfg"]
     for key, want in K2_ROUTER.items():
         if cfg.get(key) is not None and cfg[key] != want:
             raise ConfigError(f"{where}: {key} {cfg[key]!r} is not supported by the kimi engine",
                               f"the engine implements {key} {want!r} (the DeepSeek-V3 router Kimi K2 uses)")
     rope = configs.rope(cfg)
-    if rope.rope_type not in ENGINE_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported by the kimi engine yet",
-                          f"the engine implements {', '.join(ENGINE_ROPE_TYPES)}")
-    d = {k: configs.first_of(cfg, k, default=v) for k, v in K2_DEFAULTS.items()}
+    check_rope_type(rope, where, "kimi", ENGINE_ROPE_TYPES)
     values: dict[str, Any] = dict(
-        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"], vocab_size=r["vocab"],
-        intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
-        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
-        n_shared_experts=r["shared"],
-        n_group=int(configs.first_of(cfg, "n_group", "num_expert_group", default=d["n_group"])),
-        topk_group=int(d["topk_group"]),
-        norm_topk_prob=int(bool(configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True))),
-        routed_scaling_factor=repr(float(d["routed_scaling_factor"])), rms_norm_eps=repr(float(d["rms_norm_eps"])),
-        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
-        attention_bias=int(bool(cfg.get("attention_bias", False))),
-        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
-        rope_theta=repr(rope.theta), rope_type=rope.rope_type, q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"],
-        qk_nope_head_dim=r["nope_dim"], qk_rope_head_dim=r["rope_dim"],
-        v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
+        moe_decoder_values(cfg, r, where), **grouped_router_values(cfg, where, **K2_DEFAULTS),
+        attention_bias=int(bool(cfg.get("attention_bias", False))), rope_theta=repr(rope.theta),
+        rope_type=rope.rope_type, **mla_values(r, configs.require_int(cfg, "v_head_dim", where=where, minimum=1)),
         rope_interleave=int(bool(cfg.get("rope_interleave", True))),
     )
-    values.update(_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
+    values.update(mla_rope_values(cfg, rope, r["nope_dim"] + r["rope_dim"], where))
     return set_args(values)
 
 
 def _linear_hparams(model: ResolvedModel, r: dict[str, Any], where: str) -> tuple[str, ...]:
     """Kimi Linear's ``--set`` arguments. Its MLA has no RoPE at all (no rope settings); defaults are
     KimiLinearConfig's."""
-    cfg, n = r["cfg"], r["layers"]
+    cfg = r["cfg"]
     values: dict[str, Any] = dict(
-        hidden_size=r["hidden"], num_hidden_layers=n, num_attention_heads=r["heads"],
-        vocab_size=r["vocab"], intermediate_size=configs.require_int(cfg, "intermediate_size", where=where, minimum=1),
-        moe_intermediate_size=r["expert_width"], n_routed_experts=r["experts"], num_experts_per_tok=r["top_k"],
-        n_shared_experts=r["shared"],
-        n_group=int(configs.first_of(cfg, "n_group", "num_expert_group", default=1)),
-        topk_group=int(configs.first_of(cfg, "topk_group", default=1)),
-        norm_topk_prob=int(bool(configs.first_of(cfg, "norm_topk_prob", "moe_renormalize", default=True))),
-        routed_scaling_factor=repr(float(configs.first_of(cfg, "routed_scaling_factor", default=2.446))),
-        rms_norm_eps=repr(float(configs.first_of(cfg, "rms_norm_eps", default=1e-5))),
-        tie_word_embeddings=int(bool(cfg.get("tie_word_embeddings", False))),
-        q_lora_rank=r["q_lora"], kv_lora_rank=r["kv_lora"], qk_nope_head_dim=r["nope_dim"],
-        qk_rope_head_dim=r["rope_dim"],
-        v_head_dim=configs.require_int(cfg, "v_head_dim", where=where, minimum=1),
+        moe_decoder_values(cfg, r, where), **grouped_router_values(cfg, where, routed_scaling_factor=2.446),
+        **mla_values(r, configs.require_int(cfg, "v_head_dim", where=where, minimum=1)),
         linear_num_heads=r["lin_heads"], linear_head_dim=r["lin_dim"], linear_conv_kernel_dim=r["conv"],
         attn_layers="".join("F" if kind == "full_attention" else "K" for kind in r["attn"]),
-        mlp_layers="".join("M" if i in r["moe_layers"] else "D" for i in range(n)),
     )
     if cfg.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias is not supported by the kimi_linear engine",

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
-from colibri.hooks import claim_by_model_type
 from colibri.engine_args import kv_bytes, rope_values, set_args
 from colibri.records import (
-    Claim, DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
+    DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
 )
 
@@ -28,11 +27,6 @@ DEMO_PROMPT = "def fibonacci(n):"
 @hookimpl
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES, "OLMoE (AllenAI) sparse MoE decoders, e.g. OLMoE-1B-7B")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:

@@ -13,10 +13,9 @@ from typing import Any, Mapping
 
 from colibri import configs, hookimpl
 from colibri.engine_args import kv_bytes, rope_values, set_args
-from colibri.hooks import claim_by_model_type
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
+    EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
     TensorLayout,
 )
 
@@ -30,11 +29,6 @@ WRAPPERS = ("qwen3_5_moe",)        # multimodal: LM under text_config and model.
 def describe_family() -> FamilyDescriptor:
     return FamilyDescriptor(FAMILY, MODEL_TYPES,
                             "Qwen MoE: Qwen1.5/2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5/3.6-MoE (text part)")
-
-
-@hookimpl
-def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
-    return claim_by_model_type(describe_family(), config)
 
 
 def _where(model: ResolvedModel) -> str:

@@ -41,18 +41,26 @@ int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n,
     return cb_load_f32(out, idx, t, (size_t)n, bytes, err, errlen);
 }
 
-int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
-                size_t errlen) {
+int cb_read_f32(float *dst, const cb_st_index *idx, const cb_tensor *t, size_t n, char *err, size_t errlen) {
     void *raw = cb_st_load(idx, t, err, errlen);
     if (!raw) return -1;
+    cb_convert_to_f32(dst, raw, t->dtype, n);
+    free(raw);
+    return 0;
+}
+
+int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
+                size_t errlen) {
     *out = malloc(n * sizeof(float));
     if (!*out) {
-        free(raw);
         snprintf(err, errlen, "out of memory loading %s", t->name);
         return -1;
     }
-    cb_convert_to_f32(*out, raw, t->dtype, n);
-    free(raw);
+    if (cb_read_f32(*out, idx, t, n, err, errlen)) {
+        free(*out);
+        *out = NULL;
+        return -1;
+    }
     if (bytes) *bytes += n * sizeof(float);
     return 0;
 }
@@ -529,19 +537,15 @@ static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, siz
     double t0 = cb_now_s();
     if (ex.m[CB_GATE].kind == CB_MAT_INT) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
         if (cb_qexpert_run(m->down, m->gate, m->up, &ex, m->rows, rows, err, errlen)) return -1;
+    } else {
         for (int r = 0; r < rows; r++)
-            memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
-                   (size_t)H * sizeof(float));
-        cb_prof.expert_s += cb_now_s() - t0;
-        return 0;
+            memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
+        cb_matrix_apply(&ex.m[CB_GATE], m->gate, m->xs, rows);
+        cb_matrix_apply(&ex.m[CB_UP], m->up, m->xs, rows);
+        if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
+        cb_silu_mul(m->gate, m->up, rows * I);
+        cb_matrix_apply(&ex.m[CB_DOWN], m->down, m->gate, rows);
     }
-    for (int r = 0; r < rows; r++)
-        memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-    cb_matrix_apply(&ex.m[CB_GATE], m->gate, m->xs, rows);
-    cb_matrix_apply(&ex.m[CB_UP], m->up, m->xs, rows);
-    if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
-    cb_silu_mul(m->gate, m->up, rows * I);
-    cb_matrix_apply(&ex.m[CB_DOWN], m->down, m->gate, rows);
     for (int r = 0; r < rows; r++)
         memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
                (size_t)H * sizeof(float));

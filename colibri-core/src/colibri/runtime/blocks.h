@@ -43,6 +43,8 @@ int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n,
 /* Load the n elements of tensor t (F32/BF16/F16, shape checked by the caller) converted to f32. */
 int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t n, size_t *bytes, char *err,
                 size_t errlen);
+/* The same into dst (n floats the caller owns): 0, or -1 with a message. */
+int cb_read_f32(float *dst, const cb_st_index *idx, const cb_tensor *t, size_t n, char *err, size_t errlen);
 void cb_linear_free(cb_linear *l);
 /* Turn a quantized (or fp8) linear into a float (F32) one holding level * scale (e4m3 * block scale) exactly (a no-op
  * for a float one), for the blocks that read weights directly instead of through cb_linear_apply (MLA's

@@ -15,20 +15,7 @@ static int load_conv(cb_deltanet *d, const cb_st_index *idx, const char *name, s
                      size_t errlen) {
     int64_t dims[3] = {d->conv_dim, 1, d->c.kernel};
     const cb_tensor *t = cb_st_expect(idx, name, 3, dims, err, errlen);
-    if (!t) return -1;
-    void *raw = cb_st_load(idx, t, err, errlen);
-    if (!raw) return -1;
-    size_t n = (size_t)d->conv_dim * (size_t)d->c.kernel;
-    d->conv_w = malloc(n * sizeof(float));
-    if (!d->conv_w) {
-        free(raw);
-        snprintf(err, errlen, "out of memory loading %s", name);
-        return -1;
-    }
-    cb_convert_to_f32(d->conv_w, raw, t->dtype, n);
-    free(raw);
-    if (bytes) *bytes += n * sizeof(float);
-    return 0;
+    return t ? cb_load_f32(&d->conv_w, idx, t, (size_t)d->conv_dim * (size_t)d->c.kernel, bytes, err, errlen) : -1;
 }
 
 int cb_deltanet_init(cb_deltanet *d, const cb_st_index *idx, const char *prefix, const cb_deltanet_config *c,

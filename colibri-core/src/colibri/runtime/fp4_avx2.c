@@ -4,7 +4,7 @@
  * so every result equals cb_fp4_rows_scalar bit for bit. Compiled with target attributes; the dispatcher only
  * calls it when cb_get_isa() is AVX2 or better. */
 #include "fp4.h"
-#include "kernels_impl.h"
+#include "blockscaled.h"
 
 #if CB_HAVE_X86_KERNELS
 #include <immintrin.h>
@@ -46,13 +46,6 @@ FP4_INLINE void row_tile(float *Y, size_t ldy, const cb_fp4matrix *W, int r, con
     for (int j = 0; j < nx; j++) Y[(size_t)j * ldy + r] = v16_reduce(acc[j]);
 }
 
-CB_TARGET void cb_fp4_rows_avx2(float *Y, size_t ldy, const cb_fp4matrix *W, const float *X, size_t ldx, int n,
-                                int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        int j = 0;
-        for (; j + 4 <= n; j += 4) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);
-        for (; j < n; j++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 1);
-    }
-}
+CB_BLOCKSCALED_ROWS_AVX2(cb_fp4, cb_fp4matrix)
 
 #endif

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels_impl.h"
+#include "blockscaled.h"
 
 /* e4m3fn byte -> f32, exactly: subnormals m * 2^-9, normals (8 + m) * 2^(e - 10), 0x7f / 0xff NaN. */
 const float cb_e4m3_table[256] = {
@@ -62,10 +62,9 @@ int cb_fp8_scale_kind_of(const char *dtype_name, cb_fp8_scale_kind *out) {
     return 0;
 }
 
-float cb_fp8_scale(const cb_fp8matrix *W, int block_row, int block_col) {
-    size_t i = (size_t)block_row * (size_t)((W->cols + CB_FP8_BLOCK - 1) / CB_FP8_BLOCK) + (size_t)block_col;
-    const unsigned char *p = W->scales;
-    switch (W->scale_kind) {
+float cb_scale_at(const void *scales, cb_fp8_scale_kind kind, size_t i) {
+    const unsigned char *p = scales;
+    switch (kind) {
     case CB_FP8_SCALE_BF16: {
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
@@ -84,6 +83,11 @@ float cb_fp8_scale(const cb_fp8matrix *W, int block_row, int block_col) {
     float f;
     memcpy(&f, p + 4 * i, 4);
     return f;
+}
+
+float cb_fp8_scale(const cb_fp8matrix *W, int block_row, int block_col) {
+    size_t i = (size_t)block_row * (size_t)((W->cols + CB_FP8_BLOCK - 1) / CB_FP8_BLOCK) + (size_t)block_col;
+    return cb_scale_at(W->scales, W->scale_kind, i);
 }
 
 void cb_fp8_dequant_row(float *out, const cb_fp8matrix *W, int r) {
@@ -107,11 +111,7 @@ static float dot_scalar(const cb_fp8matrix *W, int r, const float *x) {
             lane[k] = fmaf(w, x[c + k], lane[k]);
         }
     }
-    float s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = lane[i] + lane[i + 8];
-    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-    float sum = s2[0] + s2[1];
+    float sum = cb_lane16_reduce(lane);
     if (main_cols < cols) s = cb_fp8_scale(W, br, main_cols / CB_FP8_BLOCK);
     for (int c = main_cols; c < cols; c++) {
         float w = cb_e4m3_table[row[c]] * s;
@@ -120,41 +120,7 @@ static float dot_scalar(const cb_fp8matrix *W, int r, const float *x) {
     return sum;
 }
 
-void cb_fp8_rows_scalar(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n, int r0,
-                        int r1) {
-    for (int r = r0; r < r1; r++)
-        for (int j = 0; j < n; j++) Y[(size_t)j * ldy + r] = dot_scalar(W, r, X + (size_t)j * ldx);
-}
-
-#if !CB_HAVE_X86_KERNELS
-void cb_fp8_rows_avx2(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n, int r0,
-                      int r1) {
-    cb_fp8_rows_scalar(Y, ldy, W, X, ldx, n, r0, r1);
-}
-#endif
-
-/* ---- drivers: who computes which rows; never how (so threads and batching never change a bit) ---- */
-
-typedef struct {
-    float *Y;
-    const cb_fp8matrix *W;
-    const float *X;
-    int n;
-    void (*rows)(float *, size_t, const cb_fp8matrix *, const float *, size_t, int, int, int);
-} job_t;
-
-static void run_rows(void *ctx, int r0, int r1) {
-    const job_t *j = ctx;
-    j->rows(j->Y, (size_t)j->W->rows, j->W, j->X, (size_t)j->W->cols, j->n, r0, r1);
-}
-
-void cb_fp8_matmul(float *Y, const cb_fp8matrix *W, const float *X, int n) {
-    if (n <= 0 || W->rows <= 0) return;
-    job_t j = {Y, W, X, n, cb_get_isa() == CB_ISA_SCALAR ? cb_fp8_rows_scalar : cb_fp8_rows_avx2};
-    cb_parallel_rows(W->rows, (size_t)W->rows * (size_t)W->cols * (size_t)n, run_rows, &j);
-}
-
-void cb_fp8_matvec(float *y, const cb_fp8matrix *W, const float *x) { cb_fp8_matmul(y, W, x, 1); }
+CB_BLOCKSCALED_DRIVERS(cb_fp8, cb_fp8matrix)
 
 /* ---- checkpoints ---- */
 
@@ -213,11 +179,10 @@ int cb_fp8_locate(const cb_st_index *idx, const char *name, int rows, int cols, 
     return 0;
 }
 
-int cb_fp8_load(void **buf, cb_fp8matrix *W, const cb_st_index *idx, const char *name, int rows, int cols,
-                size_t *bytes, char *err, size_t errlen) {
-    const cb_tensor *t, *sc;
-    int rc = cb_fp8_locate(idx, name, rows, cols, &t, &sc, err, errlen);
-    if (rc) return rc;
+CB_BLOCKSCALED_LOAD(cb_fp8, cb_fp8matrix)
+
+int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
+                   const char *name, size_t *bytes, char *err, size_t errlen) {
     size_t wbytes = (size_t)t->nbytes, at = (wbytes + 63) / 64 * 64;
     char *b = aligned_alloc(64, (at + (size_t)sc->nbytes + 63) / 64 * 64 + 64);
     if (!b) {
@@ -229,13 +194,8 @@ int cb_fp8_load(void **buf, cb_fp8matrix *W, const cb_st_index *idx, const char 
         free(b);
         return -1;
     }
-    memset(W, 0, sizeof *W);
-    W->rows = rows;
-    W->cols = cols;
-    W->w = (const uint8_t *)b;
-    W->scales = b + at;
-    cb_fp8_scale_kind_of(sc->dtype_name, &W->scale_kind);
     *buf = b;
+    *scales = b + at;
     if (bytes) *bytes += (size_t)t->nbytes + (size_t)sc->nbytes;
     return 0;
 }

@@ -38,6 +38,8 @@ typedef struct {
 float cb_e4m3_to_f32(uint8_t b);
 /* The scale of block (block_row, block_col), as f32 (exact for every kind). */
 float cb_fp8_scale(const cb_fp8matrix *W, int block_row, int block_col);
+/* Scale i of a packed scale array of `kind` (any alignment), as f32; fp8 blocks and fp4 groups both decode here. */
+float cb_scale_at(const void *scales, cb_fp8_scale_kind kind, size_t i);
 size_t cb_fp8_scale_count(int rows, int cols);        /* ceil(rows/128) * ceil(cols/128) */
 size_t cb_fp8_scale_size(cb_fp8_scale_kind kind);     /* bytes per scale */
 /* The scale kind of a safetensors dtype name ("F32", "BF16", "F8_E8M0"): 0, or -1 for any other. */
@@ -64,6 +66,12 @@ int cb_fp8_locate(const cb_st_index *idx, const char *name, int rows, int cols, 
  * the scales and *W pointing into it (*bytes grows by both), -1 with a message. */
 int cb_fp8_load(void **buf, cb_fp8matrix *W, const cb_st_index *idx, const char *name, int rows, int cols,
                 size_t *bytes, char *err, size_t errlen);
+
+/* Read weight tensor t and its scale tensor sc into one 64-byte-aligned buffer (*buf, the caller's to free): the
+ * weights first, the scales from the next 64-byte boundary (*scales); *bytes grows by both. 0, or -1 with a
+ * message naming `name` (nothing allocated then). The loader of every block-scaled format. */
+int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
+                   const char *name, size_t *bytes, char *err, size_t errlen);
 
 /* ---- per-ISA bodies (fp8.c dispatches; not for engines) ---- */
 

@@ -3,7 +3,7 @@
  * the reduction tree of kernels_v16_avx2.h, so every result equals cb_fp8_rows_scalar bit for bit. Compiled with
  * target attributes; the dispatcher only calls it when cb_get_isa() is AVX2 or better. */
 #include "fp8.h"
-#include "kernels_impl.h"
+#include "blockscaled.h"
 
 #if CB_HAVE_X86_KERNELS
 #include <immintrin.h>
@@ -49,13 +49,6 @@ FP8_INLINE void row_tile(float *Y, size_t ldy, const cb_fp8matrix *W, int r, con
     }
 }
 
-CB_TARGET void cb_fp8_rows_avx2(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n,
-                                int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        int j = 0;
-        for (; j + 4 <= n; j += 4) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);
-        for (; j < n; j++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 1);
-    }
-}
+CB_BLOCKSCALED_ROWS_AVX2(cb_fp8, cb_fp8matrix)
 
 #endif

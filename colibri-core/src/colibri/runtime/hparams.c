@@ -18,26 +18,36 @@ static void mark_used(cb_hparams *hp, const char *key) {
         if (strcmp(hp->keys[i], key) == 0) hp->used[i] = 1;
 }
 
-const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def) {
-    int i = find(hp, key);
-    if (i < 0) return def;
-    mark_used(hp, key);
-    return hp->values[i];
-}
-
-static int get_int(cb_hparams *hp, const char *key, int *out, int required, char *err, size_t errlen) {
+/* 1 with *v the value of key (marked used); 0 when it is absent and optional; -1 with a message naming the key and
+ * the `what` it takes when it is absent and required. */
+static int take(cb_hparams *hp, const char *key, int required, const char *what, const char **v, char *err,
+                size_t errlen) {
     int i = find(hp, key);
     if (i < 0) {
         if (!required) return 0;
-        snprintf(err, errlen, "missing --set %s=<integer> (the family plugin resolves it from config.json)", key);
+        snprintf(err, errlen, "missing --set %s=<%s> (the family plugin resolves it from config.json)", key, what);
         return -1;
     }
     mark_used(hp, key);
+    *v = hp->values[i];
+    return 1;
+}
+
+const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def) {
+    const char *v = def;
+    take(hp, key, 0, "text", &v, NULL, 0);
+    return v;
+}
+
+static int get_int(cb_hparams *hp, const char *key, int *out, int required, char *err, size_t errlen) {
+    const char *s;
+    int rc = take(hp, key, required, "integer", &s, err, errlen);
+    if (rc <= 0) return rc;
     char *end;
     errno = 0;
-    long v = strtol(hp->values[i], &end, 10);
-    if (errno || end == hp->values[i] || *end || v < -2147483647L || v > 2147483647L) {
-        snprintf(err, errlen, "--set %s=%s: not an integer", key, hp->values[i]);
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < -2147483647L || v > 2147483647L) {
+        snprintf(err, errlen, "--set %s=%s: not an integer", key, s);
         return -1;
     }
     *out = (int)v;
@@ -45,18 +55,14 @@ static int get_int(cb_hparams *hp, const char *key, int *out, int required, char
 }
 
 static int get_float(cb_hparams *hp, const char *key, float *out, int required, char *err, size_t errlen) {
-    int i = find(hp, key);
-    if (i < 0) {
-        if (!required) return 0;
-        snprintf(err, errlen, "missing --set %s=<number> (the family plugin resolves it from config.json)", key);
-        return -1;
-    }
-    mark_used(hp, key);
+    const char *s;
+    int rc = take(hp, key, required, "number", &s, err, errlen);
+    if (rc <= 0) return rc;
     char *end;
     errno = 0;
-    double v = strtod(hp->values[i], &end);
-    if (errno || end == hp->values[i] || *end || !isfinite(v)) {
-        snprintf(err, errlen, "--set %s=%s: not a finite number", key, hp->values[i]);
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) {
+        snprintf(err, errlen, "--set %s=%s: not a finite number", key, s);
         return -1;
     }
     *out = (float)v;
@@ -77,10 +83,8 @@ int cb_hp_float_opt(cb_hparams *hp, const char *key, float *out, char *err, size
 }
 
 int cb_hp_bool_opt(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen) {
-    int i = find(hp, key);
-    if (i < 0) return 0;
-    mark_used(hp, key);
-    const char *v = hp->values[i];
+    const char *v;
+    if (take(hp, key, 0, "boolean", &v, err, errlen) <= 0) return 0;
     if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "True")) *out = 1;
     else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "False")) *out = 0;
     else {

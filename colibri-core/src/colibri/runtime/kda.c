@@ -48,11 +48,7 @@ static int load_convs(cb_kda *d, const cb_st_index *idx, const char *prefix, siz
         snprintf(name, sizeof name, "%s%s_conv1d.weight", prefix, which[i]);
         int64_t dims[3] = {d->width, 1, d->c.kernel};
         const cb_tensor *t = cb_st_expect(idx, name, 3, dims, err, errlen);
-        if (!t) return -1;
-        void *raw = cb_st_load(idx, t, err, errlen);
-        if (!raw) return -1;
-        cb_convert_to_f32(d->conv_w + (size_t)i * per, raw, t->dtype, per);
-        free(raw);
+        if (!t || cb_read_f32(d->conv_w + (size_t)i * per, idx, t, per, err, errlen)) return -1;
     }
     if (bytes) *bytes += 3 * per * sizeof(float);
     return 0;

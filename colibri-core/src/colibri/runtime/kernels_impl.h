@@ -33,6 +33,16 @@ void cb_rows_avx512(float *Y, size_t ldy, const void *W, cb_dtype dt, const floa
 void cb_convert_avx512(float *out, const void *in, cb_dtype dt, size_t n);
 #endif
 
+/* The pairwise tree of kernels.h over 16 lanes: s8[i] = l[i] + l[i + 8], then s4, s2, s1. Every scalar reference
+ * path ends its 16-lane accumulation here, so they all share one definition of the order. */
+static inline float cb_lane16_reduce(const float lane[16]) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
 /* The kernels of the ISA currently selected (cb_set_isa / COLIBRI_ISA / detection). */
 cb_rows_fn cb_current_rows(void);
 cb_convert_fn cb_current_convert(void);

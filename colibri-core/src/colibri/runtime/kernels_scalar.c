@@ -71,11 +71,7 @@ static float dot_scalar(const void *row, cb_dtype dt, const float *x, int cols) 
     int main_cols = cols - cols % 16;
     for (int c = 0; c < main_cols; c += 16)
         for (int k = 0; k < 16; k++) lane[k] = fmaf(weight_at(row, dt, c + k), x[c + k], lane[k]);
-    float s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = lane[i] + lane[i + 8];
-    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-    float sum = s2[0] + s2[1];
+    float sum = cb_lane16_reduce(lane);
     for (int c = main_cols; c < cols; c++) sum = fmaf(weight_at(row, dt, c), x[c], sum);
     return sum;
 }

@@ -12,7 +12,7 @@ int cb_mlp_init(cb_mlp *m, const cb_st_index *idx, const char *prefix, const cha
     m->hidden = hidden;
     m->inter = inter;
     m->max_batch = max_batch;
-    char name[320];
+    char name[512];
 #define NAME(leaf) (snprintf(name, sizeof name, "%s%s", prefix, leaf), name)
     if (cb_load_linear(&m->gate, idx, NAME("gate_proj.weight"), inter, hidden, dense_bytes, err, errlen) ||
         cb_load_linear(&m->up, idx, NAME("up_proj.weight"), inter, hidden, dense_bytes, err, errlen) ||

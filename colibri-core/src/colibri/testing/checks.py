@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..checkpoint import TensorIndex, default_shard_set
-from ..records import ResolvedModel, ShardSet, TensorLayout
+from ..records import Claim, ResolvedModel, ShardSet, TensorLayout
 
 
 def layout_names(layout: TensorLayout) -> list[str]:
@@ -18,6 +18,14 @@ def layout_names(layout: TensorLayout) -> list[str]:
     if layout.lm_head and layout.lm_head not in layout.embeddings:
         names.append(layout.lm_head)
     return names
+
+
+def claim_of(family: str, model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    """The claim ``family`` makes on a model directory through core's discovery (``colibri.hooks.claims``: the
+    family's own ``detect_config``, or core's claim by ``model_type`` when it has none), else None."""
+    from ..hooks import claims
+
+    return next((c for c in claims(model_dir, config) if c.family == family), None)
 
 
 def resolved(path: Path, family: str, config: Mapping[str, Any] | None = None,

@@ -16,7 +16,8 @@ import pytest
 from colibri.records import ResolvedModel
 from colibri.server.codec import TokenizerCodec
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))   # family_syntax beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's serve harness
 from family_syntax import FAMILIES, TOOLS
 from forcing_server import ANTHROPIC_TOOLS, USER, ForcingEngine, force, template_server
 
@@ -167,7 +168,7 @@ def test_readme_tool_example_runs(served):
     import io
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "tool_calls" in block)
     force(server, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>")
     ForcingEngine.prompts.clear()

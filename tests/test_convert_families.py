@@ -10,18 +10,7 @@ from colibri import plugins
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny-families")
-
-
-@pytest.fixture(autouse=True)
-def installed_families(monkeypatch):
-    monkeypatch.delenv("COLIBRI_LOAD_PLUGINS", raising=False)
-    monkeypatch.delenv("COLIBRI_DISABLE_PLUGINS", raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
+pytestmark = pytest.mark.usefixtures("installed_families")
 
 
 def _kinds():

@@ -3,8 +3,9 @@ with ``coli run`` and with fresh engine runs of the same prompts. Traffic stays 
 
 One module parametrized over the family, not thin modules in each family's tests/: the checks are the same for
 every family, so there is one copy of them, and a family package's tests run alone (``nox -s package_tests``) could
-not import a harness from core's tests/. A family whose package is not installed is skipped. The module-scoped
-``served`` fixture makes pytest run every test of one family against one server before it starts the next family's.
+not import a harness from core's tests/. Being cross-package, it lives in the top-level tests/. A family whose
+package is not installed is skipped. The module-scoped ``served`` fixture makes pytest run every test of one
+family against one server before it starts the next family's.
 
 ``qwen3_next`` is hybrid (Gated DeltaNet + full attention): its linear layers keep a recurrent state that cannot be
 rewound, so the multi-turn test and the slot-continuation test check that the server's slot reuse restores that
@@ -28,7 +29,7 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's serve harness
 from cli_server import COLI, coli_server
 from serve_harness import connect, raw_request, read_at_least
 
