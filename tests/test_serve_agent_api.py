@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from family_syntax import FAMILIES, TOOLS
 from forcing_server import USER, ForcingEngine, force, template_server
 

@@ -15,7 +15,7 @@ from typing import Literal
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from serve_harness import start_server
 
 pytest.importorskip("llguidance")

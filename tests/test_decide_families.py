@@ -30,7 +30,7 @@ from colibri.server.codec import TokenizerCodec  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
 from colibri.testing.parity import CACHE_SIZES  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from serve_harness import start_server  # noqa: E402
 
 TOL = 1e-4

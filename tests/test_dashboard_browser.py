@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the harness beside this file (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from cli_server import coli_server
 
 KEY = "dashboard-test-key"

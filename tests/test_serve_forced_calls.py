@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from family_syntax import FAMILIES
 from serve_harness import start_server
 
