@@ -57,7 +57,10 @@ def test_plan_every_family(kind, tiny_root):
     plan = json.loads(result.stdout)
     geometry, size = info["geometry"], info["bytes"]
     assert plan["fits"] and plan["family"] == info["family"]
-    assert plan["dense_bytes"] == size["dense"] + size["embeddings"], "dense residency must match info's bytes"
+    if plan.get("stages"):   # a pipeline runs one stage at a time: its resident weights are the largest stage's
+        assert 0 < plan["dense_bytes"] < size["dense"] + size["embeddings"]
+    else:
+        assert plan["dense_bytes"] == size["dense"] + size["embeddings"], "dense residency must match info's bytes"
     used = plan["dense_bytes"] + plan["kv_bytes"] + plan["state_bytes"] + plan["reserve_bytes"] + plan["cache_bytes"]
     assert used <= plan["ram_bytes"] == 1024 ** 3
     assert plan["experts_per_layer"] == (geometry["experts"] or 0)
