@@ -340,3 +340,33 @@ def test_hook_parse_output_has_no_core_default_and_routes_to_the_family(olmoe, f
     assert "".join(t for c, t in texts if c == REASONING) == "why"
     assert "".join(t for c, t in texts if c == CONTENT).strip() == "so"
     assert [e.call for e in events if hasattr(e, "call")] == [ToolCall("f", '{"x": 1}')]
+
+
+def test_hook_decider(olmoe, family_class):
+    """Core's default scores label tokens with the tokenizer it is handed; a family's own decider wins."""
+    from colibri import hooks
+    from colibri.decision import DecisionInputError, LabelTokenDecider
+
+    tokenizer = hooks.load_tokenizer(olmoe)
+    default = hooks.decider(olmoe, tokenizer)
+    assert isinstance(default, LabelTokenDecider) and default.tokenizer is tokenizer
+    default.check({"spam": {"type": "noul", "instructions": "Is this spam?"}})
+    with pytest.raises(DecisionInputError):
+        default.check({"spam": {"type": "haiku", "instructions": "?"}})
+    assert isinstance(hooks.decider(olmoe, None), LabelTokenDecider)   # loads the tokenizer itself
+
+    class OwnHead:
+        def check(self, questions):
+            raise DecisionInputError("questions.spam.type", "this head answers choices only")
+
+        def decide(self, engine, state, questions, *, slot=0, ctx=None):
+            raise AssertionError("not reached")
+
+    class WithHead(family_class):
+        @hookimpl
+        def decider(self, model, tokenizer):
+            return OwnHead()
+
+    plugins.reset()
+    plugins.register(WithHead(), "testolmoe")
+    assert isinstance(hooks.decider(olmoe, tokenizer), OwnHead)

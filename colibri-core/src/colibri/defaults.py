@@ -16,6 +16,7 @@ from typing import Any, Callable
 from . import hookimpl
 from .checkpoint import default_shard_set
 from .convert.spec import spec_from_layout
+from .decision import LabelTokenDecider, load_settings
 from .planner import plan
 from .prompt import render_conversation
 from .records import (
@@ -56,6 +57,12 @@ class CoreDefaults:
     def converter_spec(self, model: ResolvedModel) -> ConverterSpec | None:
         layout = self._ask(model.family, "tensor_layout")(model=model)
         return spec_from_layout(layout) if layout is not None else None
+
+    @hookimpl(trylast=True)
+    def decider(self, model: ResolvedModel, tokenizer: Any) -> Any:
+        if tokenizer is None:
+            tokenizer = self._ask(model.family, "load_tokenizer")(model=model)
+        return LabelTokenDecider(tokenizer, load_settings(model.path))
 
     @hookimpl(trylast=True)
     def load_tokenizer(self, model: ResolvedModel) -> Any:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 from . import plugins
+from .decision import Decider
 from .errors import EngineError, FamilyError
 from .records import (
     Claim, ConverterSpec, DemoModel, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, PlanRequest,
@@ -109,6 +110,11 @@ def run_handler(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -
 
 def server_routes(model: ResolvedModel, options: Mapping[str, Any]) -> tuple[RouteSpec, ...]:
     return tuple(plugins.family_hook(model.family, "server_routes")(model=model, options=options) or ())
+
+
+def decider(model: ResolvedModel, tokenizer: Any) -> Decider:
+    """The model's ``colibri.decision.Decider`` (core's default scores label tokens)."""
+    return plugins.family_hook(model.family, "decider")(model=model, tokenizer=tokenizer)
 
 
 def describe_family(family: str) -> FamilyDescriptor | None:

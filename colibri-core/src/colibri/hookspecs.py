@@ -21,7 +21,7 @@ Every hook is documented with its signature in ``docs/hooks.md``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import pluggy
 
@@ -42,6 +42,9 @@ from .records import (
     ShardSet,
     TensorLayout,
 )
+
+if TYPE_CHECKING:   # the decision layer is not needed to declare the hooks
+    from .decision import Decider
 
 hookspec = pluggy.HookspecMarker("colibri")
 
@@ -292,6 +295,24 @@ def server_routes(model: ResolvedModel, options: Mapping[str, Any]) -> Sequence[
     :param model: the resolved model.
     :param options: the serve options that reach an engine: ``threads``, ``ram``.
     :returns: the routes, or ``None`` when the family serves nothing for this model.
+    """
+
+
+@hookspec(firstresult=True)
+def decider(model: ResolvedModel, tokenizer: Any) -> Decider:
+    """Say how the model answers System One questions (``POST /v1/systemone``, ``coli decide``).
+
+    firstresult: core's default is ``colibri.decision.LabelTokenDecider`` (the decision prompts of the model's
+    ``decision.json`` / template, scored by their label tokens' logits through the engine's ``decide`` op), right
+    for any causal LM. A family whose models decide otherwise (a decision head over a backbone, an encoder with
+    classification heads) answers with its own object of the ``colibri.decision.Decider`` shape: ``check``
+    refuses questions it cannot answer (``DecisionInputError`` naming question and field, a 422), ``decide`` runs
+    them on the engine and returns a ``colibri.decision.Decision``. Core still checks that the engine announces
+    ``"decide"`` in its ``ready`` abilities.
+
+    :param model: the resolved model.
+    :param tokenizer: what ``load_tokenizer`` gave for the model (the server's own copy), or ``None``.
+    :returns: a ``Decider``; raise ``colibri.errors.ColibriError`` when the model cannot decide (a 400).
     """
 
 

@@ -101,19 +101,18 @@ def decide_command(
 ) -> None:
     """Answer typed questions (noul, choice, score) about a state with probabilities, from one prefill each."""
     from .. import hooks, launch
-    from ..decision import check_state, decide, load_settings, parse_questions
+    from ..decision import check_state
 
     questions = gather_questions(question, questions_file)
     value = check_state(read_state(state), normalize)
     resolved = resolve_model(model, family)
-    tok = hooks.load_tokenizer(resolved)
-    settings = load_settings(resolved.path)
-    parse_questions(questions, settings.labels, settings.noul_options)   # refused before the engine loads
+    decider = hooks.decider(resolved, None)
+    decider.check(questions)   # refused before the engine loads
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads)
     with launch.start(spec) as engine:
         if "decide" not in engine.ready.get("abilities", ()):
             raise UsageError(f"the {resolved.family} engine cannot decide", "coli families shows what each runs")
-        decision = decide(engine, tok, settings, value, questions, ctx=spec.ctx)
+        decision = decider.decide(engine, value, questions, ctx=spec.ctx)
     if as_json:
         emit_json({"model": str(resolved.path), "answers": decision.answers,
                    "usage": {"input_tokens": decision.input_tokens, "output_tokens": 0,

@@ -21,7 +21,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..decision import DecisionInputError, check_state, decide, load_settings, parse_questions
+from .. import hooks
+from ..decision import DecisionInputError, check_state
 from ..decision.prompts import content_text
 from ..engine import EngineRequestError
 from ..errors import ColibriError, EngineError
@@ -85,18 +86,18 @@ def state_key(state: Any) -> str:
     return "state:" + hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _decider(app: Any) -> tuple[Any, Any]:
-    """The served model's tokenizer and decision settings (read once), or a 400 when there are none."""
+def _decider(app: Any) -> Any:
+    """The served model's ``Decider`` (asked of its family once), or a 400 when it has none."""
     cached = getattr(app.state, "decider", None)
     if cached is not None:
         return cached
     codec = app.state.services.codec
-    tok, model = getattr(codec, "tokenizer", None), getattr(codec, "model", None)
-    if tok is None or model is None:
-        raise APIError(400, "this model cannot decide: the server has no tokenizer for decision prompts",
+    model = getattr(codec, "model", None)
+    if model is None:
+        raise APIError(400, "this model cannot decide: the server has no model description for decision prompts",
                        code="model_cannot_decide")
     try:
-        app.state.decider = (tok, load_settings(model.path))
+        app.state.decider = hooks.decider(model, getattr(codec, "tokenizer", None))
     except ColibriError as exc:
         raise APIError(400, f"this model cannot decide: {exc.one_line()}", code="model_cannot_decide") from None
     return app.state.decider
@@ -106,9 +107,9 @@ async def systemone(request: Request) -> JSONResponse:
     app = request.app
     services, config = app.state.services, app.state.config
     spec = parse_systemone(await app.state.read_json(request), config.model_id, config.kv_slots)
-    tok, settings = _decider(app)
+    decider = _decider(app)
     try:
-        parse_questions(spec.questions, settings.labels, settings.noul_options)
+        decider.check(spec.questions)
     except DecisionInputError as error:
         raise invalid(error.field, error.message.split(": ", 1)[-1]) from None
     # the state alone cannot fit: refused by its size before anything is tokenized
@@ -124,7 +125,7 @@ async def systemone(request: Request) -> JSONResponse:
 
     def run() -> Any:
         try:
-            return decide(engine, tok, settings, spec.state, spec.questions, slot=lease.slot, ctx=services.ctx)
+            return decider.decide(engine, spec.state, spec.questions, slot=lease.slot, ctx=services.ctx)
         finally:   # released when the engine is done with the slot, even if the client left meanwhile
             loop.call_soon_threadsafe(lease.release)
 
