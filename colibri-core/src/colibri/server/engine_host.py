@@ -136,6 +136,11 @@ class EngineHost:
         """Called (on the loop) when a request saw the engine die, or the watcher did."""
         if engine is not self._engine or self.state != "ready":
             return
+        if getattr(engine, "self_healing", False) and engine.alive:
+            # a replica pool: one replica died and Ray restarts it; the others go on serving
+            log.warning("a replica failed a request: %s", error.one_line() if isinstance(error, ColibriError)
+                        else error)
+            return
         self.state = "restarting"
         self._ready.clear()
         self.detail = error.one_line() if isinstance(error, ColibriError) else (str(error) if error else
