@@ -49,6 +49,12 @@ def test_cluster_flags_are_checked_before_anything_loads(args, message, tmp_path
     assert message in res.output and "Traceback" not in res.output
 
 
+def test_cluster_serve_takes_the_cluster_flags_without_replicas(tmp_path):
+    res = invoke("cluster", "serve", "--model", tmp_path / "none", "--address", "10.0.0.1:6379")
+    assert res.exit_code == 1
+    assert "only with --replicas" not in res.output and str(tmp_path / "none") in res.output   # the model is next
+
+
 def test_merged_stats_add_counters_and_recompute_the_hit_rate():
     one = {"ev": "stats", "expert_hits": 3, "expert_misses": 1, "hit_rate": 0.75, "rss_bytes": 100,
            "layers": [0, 1], "experts": [8, 8], "hits": [2, 1], "misses": [0, 1], "uses": [[1, 0], [0, 1]]}

@@ -203,6 +203,9 @@ def serve_command(
 
     resolved = resolve_model(model, family)
     if hooks.model_task(resolved) != TEXT_GENERATION:
+        if on_cluster:
+            raise UsageError(f"{resolved.path}: replicas serve text-generation models only",
+                             "serve this model without --replicas")
         _serve_family_routes(resolved, host, port, kv_slots, max_queue, queue_timeout, api_key, cors_origin,
                              body_limit, allowed_host, header_timeout, body_timeout, max_connections,
                              max_connections_per_client, level, {"threads": threads, "ram": ram})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -279,6 +280,7 @@ def _cause(exc: BaseException) -> str:
     """The one line that says why, out of a Ray error's several (they quote the remote traceback)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for line in reversed(lines):
-        if "Error:" in line:
-            return line
+        raised = re.match(r"^[\w.]+(?:Error|Exception): (.+)$", line)   # the remote exception's own message
+        if raised:
+            return raised.group(1)
     return lines[-1] if lines else type(exc).__name__
