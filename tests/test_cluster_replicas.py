@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -58,7 +59,7 @@ def ray_env():
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_env):
+def cluster(ray_env, coli_runs):
     from ray.cluster_utils import Cluster
 
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1},
@@ -93,11 +94,21 @@ def coli_run(model_dir, prompt: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir) -> dict[str, str]:
-    """``coli run``'s greedy text of each prompt (a single engine, no cluster)."""
+def coli_runs(model_dir) -> Iterator[dict[str, subprocess.Popen]]:
+    """``coli run`` of each prompt, started before the cluster so that they run while it starts."""
     runs = {prompt: coli_run(model_dir, prompt) for prompt in PROMPTS}
+    yield runs
+    for proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def expected(coli_runs) -> dict[str, str]:
+    """``coli run``'s greedy text of each prompt (a single engine, no cluster)."""
     texts = {}
-    for prompt, proc in runs.items():
+    for prompt, proc in coli_runs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
         texts[prompt] = json.loads(out)["text"]

@@ -46,6 +46,8 @@ class ReplicaActor:
         self.slots = spec.slots
         self._lock = threading.Lock()
         self._running: dict[int, Request] = {}
+        self._cancelled: set[int] = set()   # cancels that came before their request's submit
+        self._highest_rid = 0                # ids come in order from the pool: one at most this high has begun
         self.served = 0
         self.failed = 0
         self.hit_rates: collections.deque[float] = collections.deque(maxlen=HIT_RATES_KEPT)
@@ -64,6 +66,11 @@ class ReplicaActor:
             return
         with self._lock:
             self._running[rid] = request
+            self._highest_rid = max(self._highest_rid, rid)
+            early_cancel = rid in self._cancelled
+            self._cancelled.discard(rid)
+        if early_cancel:
+            request.cancel()
         try:
             for event in request:
                 if event.get("ev") == "done":
@@ -90,7 +97,10 @@ class ReplicaActor:
             return self._running.get(rid)
 
     def cancel(self, rid: int) -> None:
-        request = self._request(rid)
+        with self._lock:
+            request = self._running.get(rid)
+            if request is None and rid > self._highest_rid:   # not begun yet (a lower id not running has ended)
+                self._cancelled.add(rid)
         if request is not None:
             request.cancel()
 

@@ -163,6 +163,7 @@ class ReplicaPool:
         self._closed = False
         self.ready_timeout = ready_timeout
         actor_class = replica_class(self.ray)
+        self.infos: list[dict[str, Any]] = []   # each replica's node and engine, once they all answered
         self.actors = []
         for index in range(replicas):
             options: dict[str, Any] = {
@@ -198,7 +199,7 @@ class ReplicaPool:
         return slot % self.replicas, slot // self.replicas
 
     def describe(self, replica: int) -> str:
-        return f"replica {replica} on {self.infos[replica]['node_ip']}" if hasattr(self, "infos") else \
+        return f"replica {replica} on {self.infos[replica]['node_ip']}" if replica < len(self.infos) else \
             f"replica {replica}"
 
     def lost(self, replica: int, exc: BaseException) -> ReplicaDied:
@@ -210,11 +211,7 @@ class ReplicaPool:
     def alive(self) -> bool:
         return not self._closed
 
-    @property
-    def submit(self):
-        return self._submit
-
-    def _submit(self, prompt: Sequence[int], *, slot: int = 0, **options: Any) -> ReplicaRequest:
+    def submit(self, prompt: Sequence[int], *, slot: int = 0, **options: Any) -> ReplicaRequest:
         if self._closed:
             raise EngineError("the replica pool is closed")
         replica, local = self.place(slot)
