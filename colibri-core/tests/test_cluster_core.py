@@ -94,3 +94,13 @@ def test_a_failed_replica_does_not_restart_the_pool():
         assert pool.closed
 
     asyncio.run(scenario())
+
+
+def test_an_address_where_no_cluster_listens_is_one_line_at_once(tmp_path, monkeypatch):
+    pytest.importorskip("ray", reason='ray is not installed (pip install "colibri-core[cluster]")')
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))   # no cluster of this machine is "auto" here
+    res = invoke("cluster", "status", "--address", "127.0.0.1:1")   # port 1: nothing listens there
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --address 127.0.0.1:1: cannot join the Ray cluster "
+                                                   "(nothing answers at "), lines

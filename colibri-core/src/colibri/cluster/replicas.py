@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -30,6 +31,7 @@ from .replica_actor import DIED, RESTARTING, ReplicaActor
 
 ACTOR_PREFIX = "replica-"           # then "<server group>-<index>": `coli cluster status` lists these
 CALL_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
 REPLACEMENT_POLL_S = 0.1
 # A tag only pins; a replica takes this sliver of it, so any number of replicas fit on a node with the tag.
 TAG_SHARE = 0.001
@@ -54,12 +56,28 @@ def connect(address: str | None) -> ModuleType:
     if address is None and not os.environ.get("RAY_ADDRESS"):
         options["include_dashboard"] = False   # a local cluster of our own: nothing else needs its dashboard
     try:
+        _check_reachable(address)
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--address {address or 'auto'}: cannot join the Ray cluster ({first})",
                          "start one with `ray start --head`, or pass the head's address (host:6379)") from None
     return ray
+
+
+def _check_reachable(address: str | None) -> None:
+    """Raise ConnectionError at once when nothing listens at the cluster's address: ray.init would retry for
+    minutes. (The address as Ray resolves it: ``auto`` is the cluster this machine last started or runs.)"""
+    from ray._private.services import canonicalize_bootstrap_address   # Ray's own reading of the address
+
+    resolved = canonicalize_bootstrap_address(address)
+    if resolved is None:
+        return   # a new local cluster
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {resolved}: {exc.strerror or exc}") from None
 
 
 def alive_nodes(ray: ModuleType) -> list[dict[str, Any]]:
