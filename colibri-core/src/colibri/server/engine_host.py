@@ -4,6 +4,9 @@ The engine is a separate process so a crash takes only it. When it dies, every i
 engine iterator raises), ``/health`` turns 503, and the host starts a fresh engine with backoff; requests that
 arrive meanwhile wait for it (bounded by the queue timeout) instead of failing. A first load that fails is
 fatal for the server: the model will not load on a second try either, and a person should see why at once.
+
+An engine that says ``self_healing`` (the cluster's replica pool, colibri.cluster.replicas) restarts its own parts:
+a request that saw one replica die fails alone, and the host keeps the engine.
 """
 
 from __future__ import annotations
