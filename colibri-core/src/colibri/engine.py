@@ -53,7 +53,7 @@ def logits_row(event: Mapping[str, Any]) -> np.ndarray:
     return np.asarray(event["values"], dtype=np.float32)
 
 @dataclass
-class _Death:
+class Death:
     """Sentinel put on every queue when the engine is gone."""
 
     error: EngineError
@@ -85,7 +85,7 @@ class Request:
         self.stats: dict[str, Any] = {}
         self.scores: list[list[float]] = []
         self.finished = False
-        self._queue: "queue.Queue[dict | _Death]" = queue.Queue()
+        self._queue: "queue.Queue[dict | Death]" = queue.Queue()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.events()
@@ -93,12 +93,8 @@ class Request:
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Yield events until ``done``; ``timeout`` bounds the wait for each one (None: until death or done)."""
         while not self.finished:
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise EngineError(f"engine sent nothing for request {self.id} in {timeout:g} s",
-                                  "the engine may be stuck; see its stderr") from None
-            if isinstance(item, _Death):
+            item = self._next_item(timeout)
+            if isinstance(item, Death):
                 self.finished = True
                 raise item.error
             ev = item.get("ev")
@@ -117,6 +113,14 @@ class Request:
                 self.finished = True
                 raise EngineRequestError(str(item.get("code", "internal")), str(item.get("message", "")))
             yield item
+
+    def _next_item(self, timeout: float | None) -> "dict[str, Any] | Death":
+        """The next event the engine sent for this request, or the engine's death."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"engine sent nothing for request {self.id} in {timeout:g} s",
+                              "the engine may be stuck; see its stderr") from None
 
     def cancel(self) -> None:
         """Ask the engine to stop; its ``done`` (reason ``cancelled``) still arrives through iteration."""
@@ -137,7 +141,7 @@ class Engine:
         self.argv = [str(a) for a in argv]
         self.ready: dict[str, Any] = {}
         self._pending: dict[int, Request] = {}
-        self._control: "queue.Queue[dict | _Death]" = queue.Queue()
+        self._control: "queue.Queue[dict | Death]" = queue.Queue()
         self._lock = threading.Lock()          # guards _pending and _dead
         self._write_lock = threading.Lock()
         self._stats_lock = threading.Lock()    # one stats round-trip at a time
@@ -183,7 +187,7 @@ class Engine:
                 item = self._control.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
-            if isinstance(item, _Death):
+            if isinstance(item, Death):
                 raise item.error
             if item.get("ev") == "ready":
                 self.ready = item
@@ -311,7 +315,7 @@ class Engine:
                     item = self._control.get(timeout=remaining)
                 except queue.Empty:
                     continue
-                if isinstance(item, _Death):
+                if isinstance(item, Death):
                     self._control.put(item)       # later waiters must see the death too
                     raise item.error
                 if item.get("ev") == "stats":
@@ -398,8 +402,8 @@ class Engine:
             pending = list(self._pending.values())
             self._pending.clear()
         for req in pending:
-            req._queue.put(_Death(error))
-        self._control.put(_Death(error))
+            req._queue.put(Death(error))
+        self._control.put(Death(error))
 
     def _death_error(self, code: int) -> EngineError:
         name = Path(self.argv[0]).name

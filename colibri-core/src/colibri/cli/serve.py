@@ -151,6 +151,15 @@ def serve_command(
     disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s", help="The model disk's read "
                                          "bandwidth for the dashboard's disk bound (default: what coli plan "
                                          "--measure-disk or coli setup measured on that disk)."),
+    replicas: int | None = typer.Option(None, "--replicas", help="Run N engine replicas as Ray actors across the "
+                                        "cluster's nodes behind this one endpoint, --kv-slots each (needs "
+                                        "colibri-core[cluster]; docs/cluster.md). coli cluster serve: one per node."),
+    address: str | None = typer.Option(None, "--address", metavar="RAY_ADDRESS", help="The Ray cluster of the "
+                                       "replicas (host:port, or auto); default: RAY_ADDRESS, else a new local one."),
+    replica_resource: list[str] | None = typer.Option(
+        None, "--replica-resource", metavar="TAG",
+        help="Place the replicas on nodes with this Ray resource (repeatable: replica i takes the i-th tag, in "
+             "turn)."),
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from .. import hooks
@@ -185,9 +194,18 @@ def serve_command(
     level = log_level.lower()
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
+    on_cluster = replicas is not None or (context.parent is not None and context.parent.info_name == "cluster")
+    if not on_cluster and (address or replica_resource):
+        raise UsageError(f"{'--address' if address else '--replica-resource'}: only with --replicas N",
+                         "add --replicas N, or use coli cluster serve")
+    if replicas is not None and replicas < 1:
+        raise UsageError(f"--replicas {replicas}: must be at least 1")
 
     resolved = resolve_model(model, family)
     if hooks.model_task(resolved) != TEXT_GENERATION:
+        if on_cluster:
+            raise UsageError(f"{resolved.path}: replicas serve text-generation models only",
+                             "serve this model without --replicas")
         _serve_family_routes(resolved, host, port, kv_slots, max_queue, queue_timeout, api_key, cors_origin,
                              body_limit, allowed_host, header_timeout, body_timeout, max_connections,
                              max_connections_per_client, level, {"threads": threads, "ram": ram})
@@ -201,10 +219,14 @@ def serve_command(
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
     if not bandwidth:
         bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
+    engine_factory, replica_count = (lambda: start(spec)), 0
+    if on_cluster:
+        engine_factory, replica_count = _replica_factory(spec, replicas, address, tuple(replica_resource or ()))
     sock = bind_socket(host, port)
 
     fatal: list[str] = []
-    config = ServerConfig(model_id=resolved.path.name, ctx=spec.ctx, kv_slots=kv_slots, max_queue=max_queue,
+    slots_total = kv_slots * max(1, replica_count)   # the server's scheduler spreads its slots over the replicas
+    config = ServerConfig(model_id=resolved.path.name, ctx=spec.ctx, kv_slots=slots_total, max_queue=max_queue,
                           queue_timeout=queue_timeout, api_key=api_key or None,
                           cors_origins=tuple(cors_origin or ()), max_body=body_limit, family=resolved.family,
                           created=int(time.time()), lossy=spec.streaming.lossy_label(), host=host,
@@ -218,13 +240,14 @@ def serve_command(
         fatal.append(detail)
         server.should_exit = True
 
-    application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal,
+    application = create_app(config, engine_factory, codec, on_fatal=on_fatal,
                              default_sampling=checkpoint_sampling(resolved.path))
     # access_log off: colibri.server.access logs each request with its route, tokens and duration instead
     server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5, access_log=False)
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"coli serve: {resolved.path.name} ({resolved.family}) on http://{shown}:{port}/v1 — "
-               f"{kv_slots} slot(s), ctx {spec.ctx}, queue {max_queue}, "
+               f"{f'{replica_count} replicas x ' if replica_count else ''}{kv_slots} slot(s), ctx {spec.ctx}, "
+               f"queue {max_queue}, "
                f"{'API key required' if api_key else 'no API key (loopback only)'}; dashboard on "
                f"http://{shown}:{port}/; loading the engine…", err=True)
     if context.info_name == "web":
@@ -232,6 +255,18 @@ def serve_command(
     _run_server(server, sock, level)
     if fatal:
         raise EngineError(fatal[0])
+
+
+def _replica_factory(spec, replicas: int | None, address: str | None, resources: tuple[str, ...]):
+    """``--replicas``: join the Ray cluster now (a bad address is one line before anything loads) and return the
+    factory of the replica pool the server loads in the background, with the number of replicas (default: one per
+    alive node)."""
+    from ..cluster.replicas import ReplicaPool, alive_nodes, check_placement, connect
+
+    ray = connect(address)
+    count = replicas or len(alive_nodes(ray))
+    check_placement(ray, resources, spec.threads)
+    return (lambda: ReplicaPool(spec, count, address=address, resources=resources)), count
 
 
 def _run_server(server, sock: socket.socket, level: str) -> None:

@@ -4,6 +4,9 @@ The engine is a separate process so a crash takes only it. When it dies, every i
 engine iterator raises), ``/health`` turns 503, and the host starts a fresh engine with backoff; requests that
 arrive meanwhile wait for it (bounded by the queue timeout) instead of failing. A first load that fails is
 fatal for the server: the model will not load on a second try either, and a person should see why at once.
+
+An engine that says ``self_healing`` (the cluster's replica pool, colibri.cluster.replicas) restarts its own parts:
+a request that saw one replica die fails alone, and the host keeps the engine.
 """
 
 from __future__ import annotations
@@ -135,6 +138,11 @@ class EngineHost:
     def report_death(self, engine: EngineLike, error: BaseException | None) -> None:
         """Called (on the loop) when a request saw the engine die, or the watcher did."""
         if engine is not self._engine or self.state != "ready":
+            return
+        if getattr(engine, "self_healing", False) and engine.alive:
+            # a replica pool: one replica died and Ray restarts it; the others go on serving
+            log.warning("a replica failed a request: %s", error.one_line() if isinstance(error, ColibriError)
+                        else error)
             return
         self.state = "restarting"
         self._ready.clear()
