@@ -93,7 +93,8 @@ def test_laya_is_claimed_by_its_marker_file(tiny_root):
     check_layout_against_checkpoint(layout, built.path, built.num_parameters)
     assert layout.embeddings == ("encoder.embeddings.tok_embeddings.weight",)
     assert any(name.startswith("scorer.") for name in layout.required)
-    assert not plugin.limits(model=model).has_engine
+    limits = plugin.limits(model=model)
+    assert limits.has_engine and limits.max_context == 128   # the checkpoint's max_len bounds a sequence
 
 
 def test_laya_without_its_encoder_config_is_one_clear_error(tmp_path):
