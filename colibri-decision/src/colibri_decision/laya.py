@@ -36,16 +36,24 @@ NOUL_DEFAULTS = ("no, the statement does not hold", "yes, the statement holds")
 FIX = "a Laya checkpoint ships rl_agent_config.json and encoder/config.json with its model.safetensors"
 
 
-def read_json(path: Path) -> Mapping[str, Any]:
+def read_json(path: Path, fix: str = FIX) -> Mapping[str, Any]:
+    """A JSON object file of the checkpoint; a missing or broken one is a ConfigError naming it, with ``fix``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path}: missing", FIX) from None
+        raise ConfigError(f"{path}: missing", fix) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not readable JSON ({exc})", FIX) from None
+        raise ConfigError(f"{path}: not readable JSON ({exc})", fix) from None
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: not a JSON object", FIX)
+        raise ConfigError(f"{path}: not a JSON object", fix)
     return data
+
+
+def int_or(config: Mapping[str, Any], name: str, default: int, where: str, minimum: int = 0) -> int:
+    """An optional bounded integer field (absent or null: ``default``)."""
+    if config.get(name) is None:
+        return default
+    return configs.require_int(config, name, where=where, minimum=minimum)
 
 
 def clamp_temperature(value: Any) -> float:
@@ -80,8 +88,8 @@ def agent_config(model_dir: Path) -> AgentConfig:
     if not isinstance(by_options, Mapping):
         raise ConfigError(f"{where}: 'temperature_by_options' must map buckets to numbers", FIX)
     t = tuple(clamp_temperature(v) for v in temps)
-    return AgentConfig(max_len=configs.require_int(raw, "max_len", 512, where=where, minimum=4),
-                       head_max_len=configs.require_int(raw, "head_max_len", 192, where=where, minimum=1),
+    return AgentConfig(max_len=int_or(raw, "max_len", 512, where, minimum=4),
+                       head_max_len=int_or(raw, "head_max_len", 192, where, minimum=1),
                        temperature=(t[0], t[1], t[2]),
                        by_options={str(k): clamp_temperature(v) for k, v in by_options.items()})
 
@@ -96,7 +104,7 @@ def layer_kinds(enc: Mapping[str, Any], layers: int, where: str) -> str:
     ``global_attn_every_n_layers``-th layer global (ModernBERT's rule, default 3)."""
     kinds = enc.get("layer_types")
     if kinds is None:
-        every = configs.require_int(enc, "global_attn_every_n_layers", 3, where=where, minimum=1)
+        every = int_or(enc, "global_attn_every_n_layers", 3, where, minimum=1)
         return "".join("S" if i % every else "F" for i in range(layers))
     words = {"full_attention": "F", "sliding_attention": "S"}
     if not isinstance(kinds, list) or len(kinds) != layers or any(k not in words for k in kinds):
@@ -132,7 +140,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         raise ConfigError(f"{where}: hidden_activation {activation!r} is not supported by the Laya engine",
                           "it implements gelu (the exact GELU ModernBERT uses)")
     global_theta, local_theta = rope_thetas(enc, where)
-    head_layers = configs.require_int(agent, "head_layers", 2, where=str(model.path / MARKER), minimum=0)
+    head_layers = int_or(agent, "head_layers", 2, str(model.path / MARKER), minimum=0)
     return set_args({
         "hidden_size": hidden, "num_hidden_layers": layers,
         "vocab_size": configs.require_int(enc, "vocab_size", where=where, minimum=1),
@@ -144,7 +152,7 @@ def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
         "mlp_bias": int(bool(enc.get("mlp_bias", False))),
         "layer_types": layer_kinds(enc, layers, where),
         # ModernBERT's window is local_attention in all: a token sees local_attention // 2 on each side
-        "sliding_window": configs.require_int(enc, "local_attention", 128, where=where, minimum=0) // 2,
+        "sliding_window": int_or(enc, "local_attention", 128, where, minimum=0) // 2,
         "global_rope_theta": repr(global_theta), "local_rope_theta": repr(local_theta),
         "head_layers": head_layers, "head_heads": max(1, hidden // 64),   # laya: nhead = max(1, d // 64)
     })

@@ -47,18 +47,7 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
     return None
 
 
-def _read_json(path: Path, fix: str) -> Mapping[str, Any]:
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing", fix) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not readable JSON ({exc})", fix) from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: not a JSON object", fix)
-    return data
+_read_json = laya.read_json
 
 
 def _laya(model: ResolvedModel) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:

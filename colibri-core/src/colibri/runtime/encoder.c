@@ -6,6 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Attention tasks per head, each a block of rows with its own row of scores: enough tasks to share among threads,
+ * and scratch linear in the sequence length. */
+#define BLOCKS_PER_HEAD 8
+
 void cb_layernorm(float *out, const float *x, const float *w, const float *b, int n, float eps) {
     if (n <= 0) return;
     double sum = 0.0;
@@ -51,7 +55,7 @@ int cb_enc_scratch_init(cb_enc_scratch *s, int max_n, int hidden, int n_heads, c
     s->n_heads = n_heads;
     s->qkv = malloc(n * 3 * (size_t)hidden * sizeof(float));
     s->att = malloc(n * (size_t)hidden * sizeof(float));
-    s->scores = malloc(n * (size_t)n_heads * n * sizeof(float));   /* one row of scores per (row, head) */
+    s->scores = malloc((size_t)BLOCKS_PER_HEAD * (size_t)n_heads * n * sizeof(float));   /* a row per task */
     if (!s->qkv || !s->att || !s->scores) {
         cb_enc_scratch_free(s);
         snprintf(err, errlen, "out of memory for the encoder's attention scratch (%d tokens)", max_n);
@@ -74,10 +78,9 @@ typedef struct {
 } enc_job;
 
 /* One (row, head): the keys within the window of the row, softmax, the weighted sum of their values. */
-static void attend_row(void *ctx, int task) {
-    const enc_job *j = ctx;
+static void attend_row(const enc_job *j, int row, int h, float *sc) {
     const cb_enc_attn *a = j->a;
-    int row = task / a->n_heads, h = task % a->n_heads, hd = a->head_dim;
+    int hd = a->head_dim;
     size_t stride = 3 * (size_t)a->hidden, off = (size_t)h * (size_t)hd;
     int lo = 0, hi = j->n - 1;
     if (j->window >= 0) {
@@ -85,7 +88,6 @@ static void attend_row(void *ctx, int task) {
         hi = row + j->window < hi ? row + j->window : hi;
     }
     const float *q = j->s->qkv + (size_t)row * stride + off;
-    float *sc = j->s->scores + (size_t)task * (size_t)j->s->max_n;
     float scale = 1.0f / sqrtf((float)hd);
     for (int t = lo; t <= hi; t++)
         sc[t - lo] = cb_dot(j->s->qkv + (size_t)t * stride + (size_t)a->hidden + off, CB_F32, q, hd) * scale;
@@ -97,6 +99,15 @@ static void attend_row(void *ctx, int task) {
         float p = sc[t - lo];
         for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
+}
+
+/* One task: a block of rows of one head, with its own row of scores. */
+static void attend_block(void *ctx, int task) {
+    const enc_job *j = ctx;
+    int rows = (j->n + BLOCKS_PER_HEAD - 1) / BLOCKS_PER_HEAD, h = task / BLOCKS_PER_HEAD;
+    int first = task % BLOCKS_PER_HEAD * rows;
+    float *sc = j->s->scores + (size_t)task * (size_t)j->s->max_n;
+    for (int row = first; row < first + rows && row < j->n; row++) attend_row(j, row, h, sc);
 }
 
 void cb_enc_attention(const cb_enc_attn *a, cb_enc_scratch *s, float *out, const float *h, int n, int window,
@@ -111,7 +122,7 @@ void cb_enc_attention(const cb_enc_attn *a, cb_enc_scratch *s, float *out, const
         }
     enc_job j = {a, s, n, window};
     double t0 = cb_now_s();
-    cb_parallel_for(n * a->n_heads, attend_row, &j);
+    cb_parallel_for(BLOCKS_PER_HEAD * a->n_heads, attend_block, &j);
     cb_prof.attention_s += cb_now_s() - t0;
     cb_linear_apply(&a->out, out, s->att, n);
     cb_add_bias(out, a->out_bias, n, a->hidden);
