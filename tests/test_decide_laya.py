@@ -130,6 +130,10 @@ def test_systemone_matches_laya(model):
             assert_answers(reply.json()["answers"], references[name], name)
             usage = reply.json()["usage"]
             assert usage["input_tokens"] == usage["prefilled_tokens"] > 0 and usage["output_tokens"] == 0
+        huge = " ".join(f"sentence {i} of a very long email." for i in range(2000))   # ~60 KB, far past ctx
+        reply = httpx.post(server.url + "/v1/systemone", json={"state": huge, "questions": QUESTIONS}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert_answers(reply.json()["answers"], model[1].predict(huge, QUESTIONS)["answers"], "huge")
         joined = httpx.post(server.url + "/v1/systemone", timeout=120, json={
             "state": STATES["parts"], "questions": QUESTIONS, "normalize": True}).json()
         assert_answers(joined["answers"], model[1].predict("Hello team, the build is red again.", QUESTIONS)["answers"],

@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from colibri import configs
 from colibri.decision import Decision, DecisionInputError, Question, parse_questions
@@ -200,6 +200,7 @@ class LayaDecider:
 
     tokenizer: TextTokenizer
     config: AgentConfig
+    cuts_state: ClassVar[bool] = True     # laya cuts a long state to fit max_len: the server must not refuse it
 
     def _special(self, name: str) -> tuple[str, int]:
         text = self.tokenizer.special_tokens[name]
