@@ -87,6 +87,10 @@ def agent_config(model_dir: Path) -> AgentConfig:
     by_options = raw.get("temperature_by_options") or {}
     if not isinstance(by_options, Mapping):
         raise ConfigError(f"{where}: 'temperature_by_options' must map buckets to numbers", FIX)
+    layout = raw.get("option_layout", "sequential")
+    if layout != "sequential":
+        raise ConfigError(f"{where}: option_layout {layout!r} is not supported by the Laya engine",
+                          "it runs the sequential option layout every published Laya checkpoint uses")
     t = tuple(clamp_temperature(v) for v in temps)
     return AgentConfig(max_len=int_or(raw, "max_len", 512, where, minimum=4),
                        head_max_len=int_or(raw, "head_max_len", 192, where, minimum=1),
