@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
-    requests = args.requests or (2 if args.quick else 8)
+    requests = args.requests or (2 if args.quick else 4)
 
     import laya
     import torch
