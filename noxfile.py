@@ -189,6 +189,15 @@ def bench_image(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_decide(session: nox.Session) -> None:
+    """System One decisions per second: colibri's Laya engine vs the laya package on a ~300 M-parameter Laya model,
+    alternated, medians of 3 rounds with the load average of each run; writes its section of docs/benchmarks.md
+    (slow; never default). `-- --quick` checks the session end to end on the test-sized model."""
+    install_everything(session)
+    session.run("python", str(ROOT / "engines" / "bench" / "decide_bench.py"), *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
 

@@ -93,7 +93,8 @@ def test_laya_is_claimed_by_its_marker_file(tiny_root):
     check_layout_against_checkpoint(layout, built.path, built.num_parameters)
     assert layout.embeddings == ("encoder.embeddings.tok_embeddings.weight",)
     assert any(name.startswith("scorer.") for name in layout.required)
-    assert not plugin.limits(model=model).has_engine
+    limits = plugin.limits(model=model)
+    assert limits.has_engine and limits.max_context == 128   # the checkpoint's max_len bounds a sequence
 
 
 def test_laya_without_its_encoder_config_is_one_clear_error(tmp_path):
@@ -104,3 +105,18 @@ def test_laya_without_its_encoder_config_is_one_clear_error(tmp_path):
         plugin.model_geometry(model=resolved(tmp_path, "decision", {}, model_type="laya"))
     assert plugin.detect_config(model_dir=tmp_path / "nowhere", config=None) is None
 
+
+
+def test_laya_option_layout_other_than_sequential_is_refused(tiny_root, tmp_path):
+    import json
+    import shutil
+
+    from colibri_decision import laya
+
+    pytest.importorskip("laya.common")
+    copy = tmp_path / "parallel"
+    shutil.copytree(tiny_model("laya", tiny_root).path, copy)
+    agent = json.loads((copy / plugin.LAYA_MARKER).read_text())
+    (copy / plugin.LAYA_MARKER).write_text(json.dumps({**agent, "option_layout": "parallel"}))
+    with pytest.raises(ConfigError, match="option_layout 'parallel' is not supported"):
+        laya.agent_config(copy)

@@ -808,11 +808,12 @@ def write_markdown(results: dict, rows: list[dict]) -> None:
     write_section(ROOT / "docs" / "benchmarks.md", "stream-bench", "\n".join(lines[2:]))
 
 
-def write_section(path: Path, name: str, body: str) -> None:
-    """Replace this bench's marked section of the page (other benches own other sections), atomically."""
+def write_section(path: Path, name: str, body: str,
+                  title: str = "Streaming: colibri vs llama.cpp at OLMoE-1B-7B geometry") -> None:
+    """Replace a bench's marked section of the page (other benches own other sections), atomically."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.is_file() else "# Benchmarks\n"
-    block = f"{begin}\n## Streaming: colibri vs llama.cpp at OLMoE-1B-7B geometry\n\n{body.rstrip()}\n{end}\n"
+    block = f"{begin}\n## {title}\n\n{body.rstrip()}\n{end}\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end) + 1:]
     else:

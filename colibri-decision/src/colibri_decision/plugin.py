@@ -1,6 +1,7 @@
 """colibri family plugin for decision checkpoints: GLiNER2-style extractors (``model_type: extractor``) and Laya
 checkpoints (claimed by their marker file ``rl_agent_config.json``: a ModernBERT encoder under ``encoder/`` and
-``encoder.*`` weights, a typed decision head ``head.*``, ``type_emb``, ``scorer``, ``act_head``).
+``encoder.*`` weights, a typed decision head ``head.*``, ``type_emb``, ``scorer``, ``act_head``; engine
+``engine/laya.c``, everything else Laya-specific in :mod:`colibri_decision.laya`).
 
 An extractor is a bidirectional encoder (BERT or DeBERTa-v2, described by ``encoder_config``) whose weights sit
 under ``encoder.`` in ``model.safetensors``, followed by small heads (span representation, classifier, count
@@ -16,11 +17,15 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
-from colibri.records import Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
+from colibri.records import (
+    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan, TensorLayout,
+)
+
+from . import laya
 
 FAMILY = "decision"
 MODEL_TYPES = ("extractor", "laya")
-LAYA_MARKER = "rl_agent_config.json"     # what laya.agent itself requires of a checkpoint directory
+LAYA_MARKER = laya.MARKER
 LAYA_HEAD_PREFIXES = ("encoder.", "type_emb.", "scorer.", "act_head.")
 ENCODER_PREFIX = "encoder."
 ENCODER_TYPES = ("bert", "deberta-v2", "deberta_v2")
@@ -42,18 +47,7 @@ def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | 
     return None
 
 
-def _read_json(path: Path, fix: str) -> Mapping[str, Any]:
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing", fix) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not readable JSON ({exc})", fix) from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: not a JSON object", fix)
-    return data
+_read_json = laya.read_json
 
 
 def _laya(model: ResolvedModel) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
@@ -181,12 +175,50 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         required=tuple(prefixed + heads))
 
 
+RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
+ENGINE_DIR = Path(__file__).parent / "engine"
+# model type -> its engine (each a recipe over the shared runtime), how the engine is configured, and who answers
+# its System One questions (None: core's default, label tokens' logits)
+ENGINES = {
+    "laya": EngineSource(name="colibri-laya", sources=(ENGINE_DIR / "laya.c",), runtime_api=RUNTIME_API),
+}
+ENGINE_ARGS = {"laya": laya.engine_hparams}
+TOKENIZERS = {"laya": laya.load_tokenizer}
+DECIDERS = {"laya": laya.decider}
+
+
+@hookimpl
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    if model is None:
+        return next(iter(ENGINES.values()))
+    return ENGINES.get(model.model_type)
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv | None:
+    args = ENGINE_ARGS.get(model.model_type)
+    return EngineEnv(args=args(model)) if args else None
+
+
+@hookimpl
+def load_tokenizer(model: ResolvedModel) -> Any:
+    load = TOKENIZERS.get(model.model_type)
+    return load(model) if load else None
+
+
+@hookimpl
+def decider(model: ResolvedModel, tokenizer: Any) -> Any:
+    make = DECIDERS.get(model.model_type)
+    return make(model, tokenizer) if make else None
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     if model.model_type == "laya":
         _, enc, _ = _laya(model)
-        return Limits(max_context=configs.max_context(enc), has_engine=False,
-                      reason_no_engine=f"no engine for Laya checkpoints yet ({FAMILY} family)")
+        # a Laya sequence never exceeds the checkpoint's max_len (laya cuts the state to fit)
+        bound = min(laya.agent_config(model.path).max_len, configs.max_context(enc) or 1 << 30)
+        return Limits(max_context=bound, has_engine=engine_source(model) is not None)
     enc, _, _ = _encoder(model)
     return Limits(max_context=configs.max_context(enc), has_engine=False,
                   reason_no_engine=f"no engine for {FAMILY} yet")

@@ -6,6 +6,7 @@ Registered under the entry-point group ``colibri.testing.tiny``.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,17 @@ from colibri.testing.tiny import (
 STYLE = ChatStyle(("<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"),
                   "<|endoftext|>", "<|endoftext|>", "<|padding|>",
                   "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}")
+
+
+# A Laya checkpoint's tokenizer is ModernBERT's: [CLS] / [SEP] / [MASK] / [PAD] / [UNK] specials (laya's sequences are
+# built from the first three), no chat template that anything reads.
+LAYA_STYLE = ChatStyle(("[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]"), None, "[SEP]", "[PAD]", STYLE.template)
+LAYA_SPECIALS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]", "unk_token": "[UNK]"}
+# What rl_agent_config.json says besides the head: the sequence budget (laya's defaults are 512 / 192; the tiny
+# encoder has 128 positions) and calibrated temperatures per question type (choice, score, noul) and per
+# type-and-option-count bucket, so the answers go through laya's temperature path.
+LAYA_AGENT = {"max_len": 128, "head_max_len": 64, "temperature": [1.7, 0.6, 2.5],
+              "temperature_by_options": {"choice:3-5": 0.8}}
 
 
 EXTRACTOR_HEADS: dict[str, tuple[str, ...]] = {
@@ -101,7 +113,8 @@ def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float
     """A Laya checkpoint built with the ``laya`` package's own classes: ``rl_agent_config.json``, a tiny ModernBERT
     described by ``encoder/config.json``, ``model.safetensors`` (encoder + decision heads) and ``tokenizer/``.
 
-    ``overrides`` go to the encoder config; ``head_layers`` sets the decision head's depth (default 1).
+    ``overrides`` go to the encoder config; ``head_layers`` sets the decision head's depth (default 1), and the keys
+    of ``LAYA_AGENT`` (``max_len``, ``temperature``, ...) override rl_agent_config.json's.
     """
     import torch
     from laya.common import build_model
@@ -110,13 +123,14 @@ def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float
 
     out = Path(out_dir)
     head_layers = int(overrides.pop("head_layers", 1))
+    agent = {key: overrides.pop(key, value) for key, value in LAYA_AGENT.items()}
     enc = ModernBertConfig(**{**dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=96, max_position_embeddings=128, global_attn_every_n_layers=2,
-                                     local_attention=16, pad_token_id=1, bos_token_id=0, eos_token_id=0,
-                                     cls_token_id=0, sep_token_id=0), **overrides})
+                                     local_attention=16, pad_token_id=3, bos_token_id=0, eos_token_id=1,
+                                     cls_token_id=0, sep_token_id=1), **overrides})
     (out / "encoder").mkdir(parents=True, exist_ok=True)
     enc.save_pretrained(out / "encoder")
-    cfg = {"encoder": "answerdotai/ModernBERT-base", "head_layers": head_layers, "act_costs": {}}
+    cfg = {"encoder": "answerdotai/ModernBERT-base", "head_layers": head_layers, "act_costs": {}, **agent}
     torch.manual_seed(seed)
     model = build_model(cfg, encoder_dir=str(out / "encoder"), pretrained=False)
     redraw_weights(model, seed, salt="laya")
@@ -125,7 +139,9 @@ def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float
                for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "rl_agent_config.json", cfg)
-    train_tokenizer(out / "tokenizer", STYLE, VOCAB, 128)
+    train_tokenizer(out / "tokenizer", LAYA_STYLE, VOCAB, enc.max_position_embeddings)
+    tok_config = json.loads((out / "tokenizer" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    write_json(out / "tokenizer" / "tokenizer_config.json", {**tok_config, **LAYA_SPECIALS})
     num = sum(v.numel() for v in tensors.values())   # parameters and the calibration buffer (temperature)
     return TinyModel(out, "laya", "laya", int(num), stored_elements(out))
 

@@ -18,7 +18,11 @@ from .settings import DecisionSettings
 
 
 class Decider(Protocol):
-    """How one served model answers typed questions about a state."""
+    """How one served model answers typed questions about a state.
+
+    A decider whose model cuts any state to fit its sequence (a Laya model keeps the start of a text, the end of a
+    conversation) sets a ``cuts_state = True`` attribute: the server then does not refuse a long state by its size.
+    """
 
     def check(self, questions: Any) -> None:
         """Refuse questions this model cannot answer before anything queues.

@@ -329,8 +329,31 @@ static void take_token(engine_t *E, slot_t *s, const float *logits) {
     s->phase = SEQ_DECODE;
 }
 
+/* A decide of an encoder family: the whole prompt in one call (cb_family.decide), then its decision. */
+static void decide_whole(engine_t *E, slot_t *s) {
+    char err[ERRLEN];
+    double t0 = now_s();
+    if (E->fam->decide(E->model, s->prompt, s->prompt_len, &s->decide, err, ERRLEN)) {
+        emit_error(E, 1, s->id, "bad_request", err);   /* the request's fault (options the head has not): */
+        seq_clear(s);                                    /* the engine goes on */
+        return;
+    }
+    s->prefill_s = s->forward_s = now_s() - t0;
+    s->prefill_forward_s = s->forward_s;
+    s->next = s->prompt_len;
+    s->n_tokens = 0;    /* nothing is kept: the next sequence on this slot is computed whole again */
+    E->prefilled_total += (uint64_t)s->prompt_len;
+    cb_decide_put(&E->out, &s->decide, s->id);
+    emit(E);
+    finish(E, s, "decided");
+}
+
 static int step(engine_t *E, slot_t *s, char *err) {
     int vocab = E->info.vocab;
+    if (s->phase == SEQ_PREFILL && s->decide.n_marks && E->fam->decide) {
+        decide_whole(E, s);
+        return 0;
+    }
     if (s->phase == SEQ_PREFILL) {
         int n = s->prompt_len - s->next;
         if (n > E->prefill_chunk) n = E->prefill_chunk;
@@ -532,6 +555,15 @@ static void do_submit(engine_t *E, cb_json *req) {
     cb_decide decide = {0};
     cb_json *op = cb_json_get(req, "op");
     int deciding = op && op->type == CB_JSTR && !strcmp(op->str, "decide");
+    if (!deciding && !E->fam->forward) {
+        cb_procs_free(&procs);
+        free(prompt);
+        free(stop);
+        free(forced);
+        snprintf(err, ERRLEN, "the %s engine only decides (op \"decide\"); it cannot generate", E->fam->name);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
     if (deciding && cb_decide_parse(req, E->info.vocab, n_prompt, &decide, err, ERRLEN)) {
         cb_procs_free(&procs);
         free(prompt);
@@ -541,8 +573,8 @@ static void do_submit(engine_t *E, cb_json *req) {
         return;
     }
     /* Reuse the longest common prefix, but always recompute the last prompt token to get its logits (a decide:
-     * every row it reads). */
-    int reuse = 0, keep = deciding ? decide.first_row : n_prompt - 1;
+     * every row it reads; an encoder's decide: everything, each token sees the whole prompt). */
+    int reuse = 0, keep = deciding ? (E->fam->decide ? 0 : decide.first_row) : n_prompt - 1;
     while (reuse < s->n_tokens && reuse < keep && s->tokens[reuse] == prompt[reuse]) reuse++;
     /* A recurrent state cannot be rewound. Keep it when it covers exactly the reused tokens, else go back to the
      * checkpoint taken after the last prompt (a chat turn whose re-tokenized reply differs from the sampled
@@ -928,7 +960,8 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    cb_buf_puts(&E.out, ",\"abilities\":[\"chat\",\"decide\"]}");
+    cb_buf_puts(&E.out, family->forward ? ",\"abilities\":[\"chat\",\"decide\"]}"
+                                        : ",\"abilities\":[\"decide\"]}");
     emit(&E);
 
     rc = 0;

@@ -1,5 +1,5 @@
 /* family.h: the interface between a family engine and the process that runs it (engine.h): what load is given,
- * what it reports back, and the three calls of a cb_family. Blocks may read these types (decoder.h fills a
+ * what it reports back, and the calls of a cb_family. Blocks may read these types (decoder.h fills a
  * cb_model_info); nothing here depends on the process.
  */
 #ifndef COLIBRI_FAMILY_H
@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 
+#include "decide.h"
 #include "experts.h"
 #include "hparams.h"
 #include "kv.h"
@@ -42,6 +43,12 @@ typedef struct cb_family {
     int (*forward)(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
                    char *err, size_t errlen);
     void (*free)(void *model);
+    /* Optional: answer a decide from the whole prompt in one call, for a bidirectional encoder (every token sees
+     * every other, so nothing is computed in chunks, no KV is kept and no prefix is reused). Fill d->scores: per
+     * mark, one score per option, the options being the family's own columns (a decision head's outputs), which
+     * it checks (-1 with a message: the request is refused, the engine goes on). forward may then be NULL: the
+     * engine only decides and refuses generation. */
+    int (*decide)(void *model, const int *tokens, int n, cb_decide *d, char *err, size_t errlen);
 } cb_family;
 
 #endif

@@ -112,9 +112,10 @@ async def systemone(request: Request) -> JSONResponse:
         decider.check(spec.questions)
     except DecisionInputError as error:
         raise invalid(error.field, error.message.split(": ", 1)[-1]) from None
-    # the state alone cannot fit: refused by its size before anything is tokenized
+    # the state alone cannot fit: refused by its size before anything is tokenized (unless the model cuts every
+    # state to fit, as a Laya model does: its decider says so with cuts_state)
     at_least = services.codec.bound.min_tokens(len(content_text(spec.state).encode("utf-8")))
-    if at_least >= services.ctx:
+    if at_least >= services.ctx and not getattr(decider, "cuts_state", False):
         raise invalid("state", f"needs at least {at_least} tokens; the context holds {services.ctx}")
     engine = await services.host.engine(services.queue_timeout)
     if "decide" not in (getattr(engine, "ready", {}) or {}).get("abilities", ()):
