@@ -1,4 +1,5 @@
-"""colibri family plugin for decision checkpoints: GLiNER2-style extractors (``model_type: extractor``) and Laya
+"""colibri family plugin for decision checkpoints: JEV decision models (``model_type: jev``, or a JEV head beside a
+Qwen3.5 checkpoint: see :mod:`.jev`), GLiNER2-style extractors (``model_type: extractor``) and Laya
 checkpoints (claimed by their marker file ``rl_agent_config.json``: a ModernBERT encoder under ``encoder/`` and
 ``encoder.*`` weights, a typed decision head ``head.*``, ``type_emb``, ``scorer``, ``act_head``).
 
@@ -16,10 +17,14 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
-from colibri.records import Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
+from colibri.records import (
+    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+)
+
+from . import jev
 
 FAMILY = "decision"
-MODEL_TYPES = ("extractor", "laya")
+MODEL_TYPES = ("extractor", "laya", "jev")
 LAYA_MARKER = "rl_agent_config.json"     # what laya.agent itself requires of a checkpoint directory
 LAYA_HEAD_PREFIXES = ("encoder.", "type_emb.", "scorer.", "act_head.")
 ENCODER_PREFIX = "encoder."
@@ -34,6 +39,9 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    claim = jev.detect(model_dir, config, FAMILY)
+    if claim is not None:
+        return claim
     model_type = config.get("model_type") if config else None
     if model_type == "extractor":
         return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
@@ -116,6 +124,8 @@ def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
 
 @hookimpl
 def model_geometry(model: ResolvedModel) -> Geometry:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.geometry(model)
     if model.model_type == "laya":
         return _laya_geometry(model)
     enc, where, kind = _encoder(model)
@@ -168,6 +178,8 @@ def encoder_tensors(enc: Mapping[str, Any], kind: str, where: str) -> tuple[list
 
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.layout(model)
     if model.model_type == "laya":
         return _laya_layout(model)
     enc, where, kind = _encoder(model)
@@ -183,6 +195,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.limits(model)
     if model.model_type == "laya":
         _, enc, _ = _laya(model)
         return Limits(max_context=configs.max_context(enc), has_engine=False,
@@ -190,3 +204,29 @@ def limits(model: ResolvedModel) -> Limits:
     enc, _, _ = _encoder(model)
     return Limits(max_context=configs.max_context(enc), has_engine=False,
                   reason_no_engine=f"no engine for {FAMILY} yet")
+
+
+# Native engines and deciders, by model type (each model's own module); a model type without one has no engine.
+ENGINES = {jev.MODEL_TYPE: jev.engine_source}
+ENGINE_ARGS = {jev.MODEL_TYPE: jev.engine_args}
+DECIDERS = {jev.MODEL_TYPE: jev.decider}
+
+
+@hookimpl
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    if model is None:   # the family's main engine (coli build decision)
+        return jev.engine_source()
+    source = ENGINES.get(model.model_type)
+    return source() if source else None
+
+
+@hookimpl
+def build_env(model: ResolvedModel) -> EngineEnv | None:
+    args = ENGINE_ARGS.get(model.model_type)
+    return EngineEnv(args=args(model)) if args else None
+
+
+@hookimpl
+def decider(model: ResolvedModel, tokenizer: Any) -> Any:
+    make = DECIDERS.get(model.model_type)
+    return make(model, tokenizer) if make else None

@@ -635,6 +635,8 @@ static void handle_line(engine_t *E, const char *line, size_t n) {
         emit_error(E, 0, 0, "bad_request", "a request must be a JSON object");
     } else if (!op || op->type != CB_JSTR) {
         emit_error(E, has_id, id, "bad_request", "missing string field \"op\"");
+    } else if (!strcmp(op->str, "submit") && E->info.decide_only) {
+        emit_error(E, has_id, id, "bad_request", "this model only decides (a decision head): use op \"decide\"");
     } else if (!strcmp(op->str, "submit") || !strcmp(op->str, "decide")) {
         do_submit(E, req);
     } else if (!strcmp(op->str, "cancel")) {
@@ -928,7 +930,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    cb_buf_puts(&E.out, ",\"abilities\":[\"chat\",\"decide\"]}");
+    cb_buf_puts(&E.out, E.info.decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\"]}");
     emit(&E);
 
     rc = 0;

@@ -1,0 +1,177 @@
+"""JEV decision models on colibri-decision's native engine against transformers' ``JevForDecision``.
+
+Tiny random models built with transformers' own classes (O(1)-scale weights re-drawn with a seed), in both
+layouts: a saved ``JevForDecision`` (config.json model_type jev, decision.json with temperatures) and a
+``qwen3_5_text`` checkpoint with a JEV head beside it (``head.safetensors`` with a bias and a softcap, or
+``readout.safetensors`` with neither). ``/v1/systemone`` answers must equal ``JevForDecision.decide`` +
+``Question.answer`` on transformers' own ``prepare_inputs`` within 1e-4, for the three question types and text,
+JSON and multi-part states; a second request on the pinned state prefills only the questions, with the same answers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("colibri_decision")
+
+import httpx  # noqa: E402
+
+from colibri import hooks, launch  # noqa: E402
+from colibri.decision.prompts import build_prompts, shared_state_tokens  # noqa: E402
+from colibri.decision import check_state, parse_questions  # noqa: E402
+from colibri.errors import FamilyError  # noqa: E402
+from colibri.model import resolve_model  # noqa: E402
+from colibri.records import Claim  # noqa: E402
+from colibri.server.codec import TokenizerCodec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
+from serve_harness import start_server  # noqa: E402
+
+CTX = 512
+TOL = 1e-4
+QUESTIONS = {
+    "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "ads", "false": None}},
+    "tone": {"type": "choice", "instructions": "What is the tone?",
+             "criteria": {"calm": None, "pushy": "Pressures the reader", "angry": {"signs": ["caps"]}}},
+    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["can wait", "this week", "today"]},
+}
+STATES = {
+    "text": "WIN a FREE phone today, click here before midnight!",
+    "json": {"message": "My card was charged twice, I want a refund.", "channel": "support"},
+    "parts": [{"type": "text", "text": "Hello team,"}, {"type": "text", "text": " the build is red again."}],
+}
+# kind, its builder's options: the saved layout (decision.json temperatures, the generic prompt of the chat
+# template), the head beside the LM with head.safetensors (bias, softcap) and with readout.safetensors (neither)
+LAYOUTS = {
+    "saved": ("jev", dict(decision={"temperature": {"noul": 0.5, "choice": 2.0}})),
+    "beside": ("jev-beside", {}),
+    "readout": ("jev-beside", dict(head_file="readout.safetensors", softcap=None)),
+}
+
+
+def reference_answers(path: Path) -> dict[str, dict]:
+    """transformers' answers: prepare_inputs, JevForDecision.decide, Question.answer (the pipeline's steps)."""
+    model = transformers.JevForDecision.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    answers = {}
+    with torch.no_grad():
+        for name, state in STATES.items():
+            answers[name] = {}
+            for inputs, questions in model.decision_config.prepare_inputs({"state": state, "questions": QUESTIONS},
+                                                                          tokenizer):
+                scores = model.decide(**inputs, decision_questions=questions)
+                answers[name] |= {q.name: q.answer(s.softmax(-1).tolist()) for q, s in zip(questions, scores)}
+    return answers
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def jev_model(request, tmp_path_factory):
+    from colibri.testing.tiny import tiny_model
+
+    kind, options = LAYOUTS[request.param]
+    path = tiny_model(kind, tmp_path_factory.mktemp(f"jev-{request.param}"), **options).path
+    resolved = resolve_model(path)
+    return resolved, hooks.load_tokenizer(resolved), reference_answers(path)
+
+
+def assert_close(got, want, where=""):
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, float):
+        assert abs(got - want) <= TOL, f"{where}: {got} vs {want}"
+    else:
+        assert got == want, where
+
+
+def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
+    resolved, tok, references = jev_model
+    assert resolved.family == "decision" and resolved.model_type == "jev"
+    decider = hooks.decider(resolved, tok)
+
+    def start_engine():
+        engine = launch.open_engine(resolved, ctx=CTX, slots=2, cap=0, threads=2)
+        assert engine.ready["abilities"] == ["decide"]
+        return engine
+
+    server = start_server(resolved.path, ctx=CTX, slots=2, factory=start_engine,
+                          codec=TokenizerCodec(tok, model=resolved))
+    try:
+        for name, state in STATES.items():
+            body = {"state": state, "questions": QUESTIONS}
+            first = httpx.post(server.url + "/v1/systemone", json=body, timeout=120)
+            assert first.status_code == 200, first.text
+            assert_close(first.json()["answers"], references[name], name)
+            again = httpx.post(server.url + "/v1/systemone", json=body, timeout=120).json()
+            assert again["answers"] == first.json()["answers"]
+            # the pinned state is reused: the second request prefills only the questions (engine token counts)
+            parsed = parse_questions(QUESTIONS, decider.settings.labels, decider.settings.noul_options)
+            prompts = build_prompts(tok, decider.settings, check_state(state), parsed, decider.option_ids)
+            shared = shared_state_tokens(tok, decider.settings, state, prompts)
+            usage, usage_again = first.json()["usage"], again["usage"]
+            assert shared > 0 and usage["cached_tokens"] >= (len(prompts) - 1) * shared
+            assert usage_again["cached_tokens"] >= len(prompts) * shared
+            assert usage_again["prefilled_tokens"] == usage_again["input_tokens"] - usage_again["cached_tokens"]
+            assert usage_again["prefilled_tokens"] <= usage["input_tokens"] - len(prompts) * shared
+        # a choice with more options than the head has rows for its type is refused before it queues
+        many = {"type": "choice", "instructions": "Which?", "criteria": {f"o{i}": None for i in range(17)}}
+        refused = httpx.post(server.url + "/v1/systemone", json={"state": "x", "questions": {"many": many}})
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == "questions.many.criteria"
+        # a decision model does not chat: its engine refuses generation
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code >= 400
+    finally:
+        server.stop()
+
+
+def test_engine_scores_are_the_soft_capped_head_rows(jev_model):
+    """The decide op itself: option ids are head rows, the engine returns their soft-capped scores."""
+    resolved, tok, _ = jev_model
+    decider = hooks.decider(resolved, tok)
+    engine = launch.open_engine(resolved, ctx=CTX, slots=1, cap=0, threads=1)
+    try:
+        ids = tok.encode("[kind] noul\n[state] hello", add_special_tokens=False)
+        rows = list(range(decider.head.rows))
+        got = engine.decide(ids, [len(ids)], [rows]).wait().scores[0]
+        model = transformers.JevForDecision.from_pretrained(resolved.path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+            want = model.proj(hidden)
+            if model.config.softcap is not None:
+                want = model.config.softcap * torch.tanh(want / model.config.softcap)
+        assert max(abs(a - b) for a, b in zip(got, want.tolist())) <= TOL
+    finally:
+        engine.close()
+
+
+def test_head_files_decide_the_claim(tmp_path_factory, monkeypatch):
+    from colibri.testing.tiny import tiny_model
+
+    path = tiny_model("jev-beside", tmp_path_factory.mktemp("jev-claim")).path
+    (path / "judge_config.json").rename(path / "judge_config.json.off")
+    try:   # without the head's files the LM is not a JEV model (and no installed family runs a dense Qwen3.5)
+        with pytest.raises(FamilyError):
+            resolve_model(path)
+    finally:
+        (path / "judge_config.json.off").rename(path / "judge_config.json")
+    # with them, a family claiming the LM by its model_type is outranked by the head's claim
+    from colibri import model as model_module
+
+    real = model_module.collect_claims
+    monkeypatch.setattr(model_module, "collect_claims",
+                        lambda d, c: [Claim("qwen", "qwen3_5_text", "model_type"), *real(d, c)])
+    assert resolve_model(path).family == "decision"
+    monkeypatch.setattr(model_module, "collect_claims",
+                        lambda d, c: [Claim("qwen", "qwen3_5_text"), Claim("decision", "jev")])
+    with pytest.raises(FamilyError, match="claimed by"):
+        resolve_model(path)
