@@ -25,8 +25,6 @@ pytest.importorskip("colibri_decision")
 import httpx  # noqa: E402
 
 from colibri import hooks, launch  # noqa: E402
-from colibri.decision.prompts import build_prompts, shared_state_tokens  # noqa: E402
-from colibri.decision import check_state, parse_questions  # noqa: E402
 from colibri.errors import FamilyError  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
 from colibri.records import Claim  # noqa: E402
@@ -34,20 +32,10 @@ from colibri.server.codec import TokenizerCodec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from serve_harness import start_server  # noqa: E402
+from decide_cases import QUESTIONS, STATES, check_states  # noqa: E402
 
 CTX = 512
 TOL = 1e-4
-QUESTIONS = {
-    "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "ads", "false": None}},
-    "tone": {"type": "choice", "instructions": "What is the tone?",
-             "criteria": {"calm": None, "pushy": "Pressures the reader", "angry": {"signs": ["caps"]}}},
-    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["can wait", "this week", "today"]},
-}
-STATES = {
-    "text": "WIN a FREE phone today, click here before midnight!",
-    "json": {"message": "My card was charged twice, I want a refund.", "channel": "support"},
-    "parts": [{"type": "text", "text": "Hello team,"}, {"type": "text", "text": " the build is red again."}],
-}
 # kind, its builder's options: the saved layout (decision.json temperatures, the generic prompt of the chat
 # template), the head beside the LM with head.safetensors (bias, softcap) and with readout.safetensors (neither)
 LAYOUTS = {
@@ -82,17 +70,6 @@ def jev_model(request, tmp_path_factory):
     return resolved, hooks.load_tokenizer(resolved), reference_answers(path)
 
 
-def assert_close(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
-        for key in want:
-            assert_close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, float):
-        assert abs(got - want) <= TOL, f"{where}: {got} vs {want}"
-    else:
-        assert got == want, where
-
-
 def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
     resolved, tok, references = jev_model
     assert resolved.family == "decision" and resolved.model_type == "jev"
@@ -106,22 +83,7 @@ def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
     server = start_server(resolved.path, ctx=CTX, slots=2, factory=start_engine,
                           codec=TokenizerCodec(tok, model=resolved))
     try:
-        for name, state in STATES.items():
-            body = {"state": state, "questions": QUESTIONS}
-            first = httpx.post(server.url + "/v1/systemone", json=body, timeout=120)
-            assert first.status_code == 200, first.text
-            assert_close(first.json()["answers"], references[name], name)
-            again = httpx.post(server.url + "/v1/systemone", json=body, timeout=120).json()
-            assert again["answers"] == first.json()["answers"]
-            # the pinned state is reused: the second request prefills only the questions (engine token counts)
-            parsed = parse_questions(QUESTIONS, decider.settings.labels, decider.settings.noul_options)
-            prompts = build_prompts(tok, decider.settings, check_state(state), parsed, decider.option_ids)
-            shared = shared_state_tokens(tok, decider.settings, state, prompts)
-            usage, usage_again = first.json()["usage"], again["usage"]
-            assert shared > 0 and usage["cached_tokens"] >= (len(prompts) - 1) * shared
-            assert usage_again["cached_tokens"] >= len(prompts) * shared
-            assert usage_again["prefilled_tokens"] == usage_again["input_tokens"] - usage_again["cached_tokens"]
-            assert usage_again["prefilled_tokens"] <= usage["input_tokens"] - len(prompts) * shared
+        check_states(server.url, references, tok, decider.settings, decider.option_ids)
         # a choice with more options than the head has rows for its type is refused before it queues
         many = {"type": "choice", "instructions": "Which?", "criteria": {f"o{i}": None for i in range(17)}}
         refused = httpx.post(server.url + "/v1/systemone", json={"state": "x", "questions": {"many": many}})
@@ -175,3 +137,25 @@ def test_head_files_decide_the_claim(tmp_path_factory, monkeypatch):
                         lambda d, c: [Claim("qwen", "qwen3_5_text"), Claim("decision", "jev")])
     with pytest.raises(FamilyError, match="claimed by"):
         resolve_model(path)
+
+
+def test_coli_decide_and_info(jev_model):
+    """``coli decide --json`` gives transformers' answers; ``coli info`` reports the head and the layout."""
+    import json
+    import subprocess
+
+    resolved, _, references = jev_model
+    coli = [sys.executable, "-c", "from colibri.cli import main; main()"]
+    spam = ["--question", "spam:noul:Is this spam?"]
+    reference = transformers.JevForDecision.from_pretrained(resolved.path, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolved.path)
+    request = {"state": STATES["text"], "questions": {"spam": {"type": "noul", "instructions": "Is this spam?"}}}
+    with torch.no_grad():
+        [(inputs, questions)] = reference.decision_config.prepare_inputs(request, tokenizer)
+        want = questions[0].answer(reference.decide(**inputs, decision_questions=questions)[0].softmax(-1).tolist())
+    out = subprocess.run([*coli, "decide", "--model", str(resolved.path), "--state", STATES["text"], *spam, "--ctx",
+                          "512", "--threads", "2", "--json"], capture_output=True, text=True, timeout=300, check=True)
+    assert abs(json.loads(out.stdout)["answers"]["spam"]["noul"] - want["noul"]) <= TOL
+    info = json.loads(subprocess.run([*coli, "info", "--model", str(resolved.path), "--json"], capture_output=True,
+                                     text=True, timeout=120, check=True).stdout)
+    assert "24 verbalizers" in json.dumps(info)
