@@ -38,10 +38,11 @@ CTX = 512
 TOL = 1e-4
 # kind, its builder's options: the saved layout (decision.json temperatures, the generic prompt of the chat
 # template), the head beside the LM with head.safetensors (bias, softcap) and with readout.safetensors (neither)
+# beside a sharded LM (its index does not name the head's file)
 LAYOUTS = {
     "saved": ("jev", dict(decision={"temperature": {"noul": 0.5, "choice": 2.0}})),
     "beside": ("jev-beside", {}),
-    "readout": ("jev-beside", dict(head_file="readout.safetensors", softcap=None)),
+    "readout": ("jev-beside", dict(head_file="readout.safetensors", softcap=None, max_shard_size="150KB")),
 }
 
 

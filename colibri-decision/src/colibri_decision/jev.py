@@ -31,7 +31,7 @@ from colibri.decision import Decision, DecisionInputError, DecisionSettings, dec
 from colibri.decision.questions import Question
 from colibri.engine_args import kv_bytes, rope_values, set_args
 from colibri.errors import ConfigError
-from colibri.records import Claim, EngineSource, Geometry, Limits, ResolvedModel, TensorLayout
+from colibri.records import Claim, EngineSource, Geometry, Limits, ResolvedModel, ShardSet, TensorLayout
 
 MODEL_TYPE = "jev"
 BACKBONES = ("qwen3_5_text",)             # what engine/jev.c runs under the head
@@ -119,11 +119,12 @@ def backbone(model: ResolvedModel) -> tuple[Mapping[str, Any], str]:
     if is_beside(model):
         cfg, where = configs.text_config(model.config), str(model.path / "config.json")
     else:
-        cfg = model.config.get("text_config")
+        inner = model.config.get("text_config")
         where = f"{model.path / 'config.json'} (text_config)"
-        if not isinstance(cfg, Mapping):
+        if not isinstance(inner, Mapping):
             raise ConfigError(f"{model.path / 'config.json'}: no 'text_config' object",
                               "a jev checkpoint describes its backbone under text_config; restore config.json")
+        cfg = inner
     kind = cfg.get("model_type")
     if kind not in BACKBONES:
         raise ConfigError(f"{where}: backbone model_type {kind!r} is not supported under a JEV head",
@@ -131,11 +132,23 @@ def backbone(model: ResolvedModel) -> tuple[Mapping[str, Any], str]:
     return cfg, where
 
 
-def _tensor_names(model: ResolvedModel) -> set[str]:
+def extra_head_file(model: ResolvedModel) -> Path | None:
+    """The head beside a sharded LM: a file its index does not name (the engine adds it to the index)."""
+    shards = default_shard_set(model.path)
+    head = head_file(model.path) if is_beside(model) else None
+    return head if head is not None and shards is not None and head not in shards.files else None
+
+
+def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...]:
     shards = default_shard_set(model.path)
     if shards is None:
         raise ConfigError(f"{model.path}: no *.safetensors weights", "download the checkpoint's weights")
-    return {t.name for t in TensorIndex((shards,))}
+    extra = extra_head_file(model)
+    return (shards,) if extra is None else (shards, ShardSet(model.path, (extra,)))
+
+
+def _tensor_names(model: ResolvedModel) -> set[str]:
+    return {t.name for t in TensorIndex(weight_files(model))}
 
 
 def _slots(model: ResolvedModel) -> tuple[Mapping[str, Any], int, dict[str, int]]:
@@ -283,6 +296,9 @@ def engine_args(model: ResolvedModel) -> tuple[str, ...]:
     )
     if h.bias:
         values["decision_head_bias"] = h.bias
+    extra = extra_head_file(model)
+    if extra is not None:
+        values["decision_head_file"] = extra.name
     if h.softcap is not None:
         values["logit_softcap"] = repr(h.softcap)
     if "linear_attention" in r["attn"]:

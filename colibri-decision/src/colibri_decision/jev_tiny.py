@@ -13,10 +13,15 @@ from typing import Any
 
 from colibri.testing.tiny import VOCAB, TinyModel, hybrid_layer_types, redraw_weights, stored_elements, train_tokenizer
 
-from .tiny import STYLE
 
 NUM_VERBALIZERS = 24
 RANGES = {"noul": [0, 2], "score": [2, 8], "choice": [8, 24]}
+
+
+def _style() -> Any:
+    from .tiny import STYLE   # not at import: tiny registers these builders when it is imported
+
+    return STYLE
 
 
 def backbone_fields(n: int = 4, **overrides: Any) -> dict[str, Any]:
@@ -36,7 +41,7 @@ def build_jev(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float3
     out = Path(out_dir)
     head = {k: overrides.pop(k) for k in ("softcap", "offsets") if k in overrides}
     decision = overrides.pop("decision", {})
-    ids = train_tokenizer(out, STYLE, VOCAB, 4096)
+    ids = train_tokenizer(out, _style(), VOCAB, 4096)
     config = JevConfig(text_config={"model_type": "qwen3_5_text", **backbone_fields(**overrides),
                                     "pad_token_id": ids["pad"], "eos_token_id": ids["eos"]},
                        hidden_size=64, num_verbalizers=NUM_VERBALIZERS, softcap=head.get("softcap", 3.0),
@@ -55,7 +60,8 @@ def build_jev_beside(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = 
                      **overrides: Any) -> TinyModel:
     """A ``qwen3_5_text`` checkpoint with a JEV head beside it; ``softcap`` (default 3.0, None: none),
     ``temperatures`` (calibration.json per_kind) and ``head_file`` (``head.safetensors`` with proj.weight and
-    proj.bias, or ``readout.safetensors`` with the weight alone) choose the head."""
+    proj.bias, or ``readout.safetensors`` with the weight alone) choose the head; ``max_shard_size`` shards the LM
+    (with an index that does not name the head's file)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -64,14 +70,15 @@ def build_jev_beside(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = 
     softcap = overrides.pop("softcap", 3.0)
     temperatures = overrides.pop("temperatures", {"noul": 0.5, "score": 1.0, "choice": 2.0})
     head_file = overrides.pop("head_file", "head.safetensors")
-    ids = train_tokenizer(out, STYLE, VOCAB, 4096)
+    max_shard_size = overrides.pop("max_shard_size", None)   # e.g. "200KB": a sharded LM with an index
+    ids = train_tokenizer(out, _style(), VOCAB, 4096)
     torch.manual_seed(seed)
     lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "qwen3_5_text", **backbone_fields(**overrides), pad_token_id=ids["pad"], eos_token_id=ids["eos"]))
     redraw_weights(lm, seed, salt="jev-beside")
     target = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
     lm.to(target)
-    lm.save_pretrained(str(out))
+    lm.save_pretrained(str(out), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     proj = torch.nn.Linear(lm.config.hidden_size, NUM_VERBALIZERS)
     redraw_weights(proj, seed, salt="jev-head")
     tensors = {"proj.weight": proj.weight, "proj.bias": proj.bias} if head_file == "head.safetensors" else \

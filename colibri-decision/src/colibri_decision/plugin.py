@@ -18,7 +18,7 @@ from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout,
+    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ShardSet, TensorLayout,
 )
 
 from . import jev
@@ -210,6 +210,12 @@ def limits(model: ResolvedModel) -> Limits:
 ENGINES = {jev.MODEL_TYPE: jev.engine_source}
 ENGINE_ARGS = {jev.MODEL_TYPE: jev.engine_args}
 DECIDERS = {jev.MODEL_TYPE: jev.decider}
+
+
+@hookimpl
+def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...] | None:
+    """A JEV head beside a sharded LM is a file its index does not name (core's default reads the index)."""
+    return jev.weight_files(model) if model.model_type == jev.MODEL_TYPE else None
 
 
 @hookimpl

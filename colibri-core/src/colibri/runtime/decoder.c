@@ -237,11 +237,20 @@ static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t 
 }
 
 /* A decision head in place of the LM head: its weight (and bias) under the names the --set keys give. */
-static int load_head(cb_decoder *d, char *err, size_t errlen) {
+static int load_head(cb_decoder *d, const char *model_dir, char *err, size_t errlen) {
     if (d->head_rows > d->vocab) {
         snprintf(err, errlen, "--set decision_head_rows=%d: more than the vocabulary's %d rows", d->head_rows,
                  d->vocab);
         return -1;
+    }
+    if (d->head_file && *d->head_file) {
+        char path[4096];
+        if (strchr(d->head_file, '/') || snprintf(path, sizeof path, "%s/%s", model_dir, d->head_file) >=
+                                             (int)sizeof path) {
+            snprintf(err, errlen, "--set decision_head_file=%s: a file name of the model directory", d->head_file);
+            return -1;
+        }
+        if (cb_st_add_file(&d->idx, path, err, errlen)) return -1;
     }
     d->tied = 0;
     if (cb_load_linear(&d->lm_head, &d->idx, d->head_weight, d->head_rows, d->hidden, &d->dense_bytes, err, errlen))
@@ -280,7 +289,7 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
         (r->model_tensors && cb_load_tensors(m, m, r->model_tensors, 0, &d->idx, &d->dense_bytes, err, errlen)))
         return -1;
     if (d->head_rows) {
-        if (load_head(d, err, errlen)) return -1;
+        if (load_head(d, a->model_dir, err, errlen)) return -1;
         info->decide_only = 1;
     } else if (d->tied) d->lm_head = d->embed;
     else if (cb_load_linear(&d->lm_head, &d->idx,

@@ -131,6 +131,7 @@ typedef struct {
      * written into the first head_rows logits of the row (the rest -inf). The model then only decides. */
     int head_rows;
     const char *head_weight, *head_bias;
+    const char *head_file;     /* a file of the model directory holding the head, added to a sharded index */
     float softcap;
     float *head_bias_v;
     int layout;                /* which alternative of every '|'-separated name the checkpoint uses (cb_decoder_name) */
@@ -165,6 +166,7 @@ typedef struct {
     CB_HP_OPT("decision_head_rows", T, d.head_rows, 0, CB_HP_NONNEG),                                       \
     CB_HP_TEXT("decision_head_weight", T, d.head_weight, "proj.weight"),                                    \
     CB_HP_TEXT("decision_head_bias", T, d.head_bias, ""),                                                   \
+    CB_HP_TEXT("decision_head_file", T, d.head_file, ""),                                                   \
     CB_HP_NUM("logit_softcap", T, d.softcap, 0.0, CB_HP_NONNEG)
 /* Dense leading layers and grouped-routed MoE layers (DeepSeek-V3 names; mlp_layers: D or M per layer). */
 #define CB_DECODER_GROUPED_HPARAMS(T, d)                                                                    \
