@@ -68,11 +68,11 @@ def jev_model(request, tmp_path_factory):
     kind, options = LAYOUTS[request.param]
     path = tiny_model(kind, tmp_path_factory.mktemp(f"jev-{request.param}"), **options).path
     resolved = resolve_model(path)
-    return resolved, hooks.load_tokenizer(resolved), reference_answers(path)
+    return request.param, resolved, hooks.load_tokenizer(resolved), reference_answers(path)
 
 
 def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
-    resolved, tok, references = jev_model
+    _, resolved, tok, references = jev_model
     assert resolved.family == "decision" and resolved.model_type == "jev"
     decider = hooks.decider(resolved, tok)
 
@@ -99,7 +99,7 @@ def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
 
 def test_engine_scores_are_the_soft_capped_head_rows(jev_model):
     """The decide op itself: option ids are head rows, the engine returns their soft-capped scores."""
-    resolved, tok, _ = jev_model
+    _, resolved, tok, _ = jev_model
     decider = hooks.decider(resolved, tok)
     engine = launch.open_engine(resolved, ctx=CTX, slots=1, cap=0, threads=1)
     try:
@@ -145,7 +145,9 @@ def test_coli_decide_and_info(jev_model):
     import json
     import subprocess
 
-    resolved, _, references = jev_model
+    layout, resolved, _, _ = jev_model
+    if layout != "beside":
+        pytest.skip("the CLI path is the same for every layout")
     coli = [sys.executable, "-c", "from colibri.cli import main; main()"]
     spam = ["--question", "spam:noul:Is this spam?"]
     reference = transformers.JevForDecision.from_pretrained(resolved.path, dtype=torch.float32).eval()
@@ -160,3 +162,24 @@ def test_coli_decide_and_info(jev_model):
     info = json.loads(subprocess.run([*coli, "info", "--model", str(resolved.path), "--json"], capture_output=True,
                                      text=True, timeout=120, check=True).stdout)
     assert "24 verbalizers" in json.dumps(info)
+
+
+def test_heads_the_engine_cannot_run_are_refused_naming_the_file(tmp_path_factory, tmp_path):
+    import shutil
+
+    from colibri.errors import ConfigError
+    from colibri.testing.tiny import tiny_model
+
+    built = tiny_model("jev-beside", tmp_path_factory.mktemp("jev-refused")).path
+    path = tmp_path / "model"
+    shutil.copytree(built, path)
+    (path / "adapter").mkdir()
+    with pytest.raises(ConfigError, match="adapter: the backbone's LoRA is not merged"):
+        hooks.build_env(resolve_model(path), None)
+    (path / "adapter").rmdir()
+    (path / "calibration.json").write_text('{"per_kind": {"noul": -1}}')
+    with pytest.raises(ConfigError, match="calibration.json: 'per_kind'"):
+        hooks.decider(resolve_model(path), None)
+    (path / "judge_config.json").write_text('{"slots": {"num_slots": 24, "ranges": {"noul": [0, 99]}}}')
+    with pytest.raises(ConfigError, match="slots.ranges.noul"):
+        hooks.model_geometry(resolve_model(path))
