@@ -24,16 +24,15 @@ transformers = pytest.importorskip("transformers")
 import httpx  # noqa: E402
 
 from colibri import hooks, launch  # noqa: E402
-from colibri.decision import check_state, load_settings, parse_questions  # noqa: E402
-from colibri.decision.prompts import build_prompts, shared_state_tokens  # noqa: E402
+from colibri.decision import load_settings  # noqa: E402
 from colibri.server.codec import TokenizerCodec  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
 from colibri.testing.parity import CACHE_SIZES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
 from serve_harness import start_server  # noqa: E402
+from decide_cases import QUESTIONS, STATES, check_states  # noqa: E402
 
-TOL = 1e-4
 CTX = 512
 # tiny recipe -> the package that serves it
 FAMILIES = {
@@ -53,17 +52,6 @@ OVERRIDES = {
 # transformers has no class of its own for these: the architecture they are (as the families' engine tests load them)
 REFERENCE_TYPE = {"kimi_k2": "deepseek_v3"}
 SETTINGS = {"labels": {"noul": ["Y", "N"]}, "temperature": {"noul": 0.5, "choice": 2.0}}
-QUESTIONS = {
-    "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "ads", "false": None}},
-    "tone": {"type": "choice", "instructions": "What is the tone?",
-             "criteria": {"calm": None, "pushy": "Pressures the reader", "angry": {"signs": ["caps"]}}},
-    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["can wait", "this week", "today"]},
-}
-STATES = {
-    "text": "WIN a FREE phone today, click here before midnight!",
-    "json": {"message": "My card was charged twice, I want a refund.", "channel": "support"},
-    "parts": [{"type": "text", "text": "Hello team,"}, {"type": "text", "text": " the build is red again."}],
-}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -92,23 +80,6 @@ def load_reference(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
 
 
-def assert_close(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
-        for key in want:
-            assert_close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, float):
-        assert abs(got - want) <= TOL, f"{where}: {got} vs {want}"
-    else:
-        assert got == want, where
-
-
-def shared_tokens(tok, settings, state) -> tuple[int, int]:
-    """(prompts, leading tokens they share) of a request about ``state``: what a pinned slot reuses."""
-    prompts = build_prompts(tok, settings, check_state(state), parse_questions(QUESTIONS, settings.labels))
-    return len(prompts), shared_state_tokens(tok, settings, state, prompts)
-
-
 @pytest.mark.parametrize("cap", CACHE_SIZES)
 def test_systemone_matches_transformers_at_every_cache_size(family, cap):
     resolved, tok, settings, references = family
@@ -121,21 +92,7 @@ def test_systemone_matches_transformers_at_every_cache_size(family, cap):
     server = start_server(resolved.path, ctx=CTX, slots=2, factory=start_engine,
                           codec=TokenizerCodec(tok, model=resolved))
     try:
-        for name, state in STATES.items():
-            body = {"state": state, "questions": QUESTIONS}
-            first = httpx.post(server.url + "/v1/systemone", json=body, timeout=120)
-            assert first.status_code == 200, first.text
-            assert_close(first.json()["answers"], references[name], name)
-            assert list(first.json()["answers"]) == list(QUESTIONS)
-            # the same state again lands on its slot: only the questions are prefilled, and nothing changes
-            again = httpx.post(server.url + "/v1/systemone", json=body, timeout=120).json()
-            assert again["answers"] == first.json()["answers"]
-            n, shared = shared_tokens(tok, settings, state)
-            usage, usage_again = first.json()["usage"], again["usage"]
-            assert shared > 0 and usage["cached_tokens"] >= (n - 1) * shared
-            assert usage_again["cached_tokens"] >= n * shared
-            assert usage_again["prefilled_tokens"] == usage_again["input_tokens"] - usage_again["cached_tokens"]
-            assert usage_again["prefilled_tokens"] <= usage["input_tokens"] - n * shared
+        check_states(server.url, references, tok, settings)
         # a state that tokenizes past the context (the byte bound alone cannot tell)
         long_state = " ".join(f"w{i}" for i in range(400))
         refused = httpx.post(server.url + "/v1/systemone", json={"state": long_state, "questions": QUESTIONS})

@@ -133,6 +133,9 @@ def resolve_model(option: str | os.PathLike | None, family: str | None = None) -
                                   "which is not installed", f"pip install {package}")
         raise FamilyError(f"{model_dir / 'config.json'}: {marker} is not claimed by any installed family",
                           f"installed families: {_installed_family_names()}; install the family package for it")
+    if claims:   # a claim on more specific evidence (marker files) outranks the plain model_type claims
+        top = max(c.priority for c in claims)
+        claims = [c for c in claims if c.priority == top]
     if len(claims) > 1:
         names = " and ".join(f"{c.family}" for c in claims)
         raise FamilyError(f"{model_dir}: claimed by {names}",

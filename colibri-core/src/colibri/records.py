@@ -33,6 +33,9 @@ class Claim:
     family: str
     model_type: str
     reason: str = ""
+    # Evidence beyond config.json's model_type (marker files such as a decision head's beside an LM): when several
+    # families claim a directory, only the claims of the highest priority stand.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""colibri family plugin for decision checkpoints: GLiNER2-style extractors (``model_type: extractor``) and Laya
+"""colibri family plugin for decision checkpoints: JEV decision models (``model_type: jev``, or a JEV head beside a
+Qwen3.5 checkpoint: see :mod:`.jev`), GLiNER2-style extractors (``model_type: extractor``) and Laya
 checkpoints (claimed by their marker file ``rl_agent_config.json``: a ModernBERT encoder under ``encoder/`` and
 ``encoder.*`` weights, a typed decision head ``head.*``, ``type_emb``, ``scorer``, ``act_head``; engine
 ``engine/laya.c``, everything else Laya-specific in :mod:`colibri_decision.laya`).
@@ -18,13 +19,14 @@ from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
 from colibri.records import (
-    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan, TensorLayout,
+    Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan, ShardSet,
+    TensorLayout,
 )
 
-from . import laya
+from . import jev, laya
 
 FAMILY = "decision"
-MODEL_TYPES = ("extractor", "laya")
+MODEL_TYPES = ("extractor", "laya", "jev")
 LAYA_MARKER = laya.MARKER
 LAYA_HEAD_PREFIXES = ("encoder.", "type_emb.", "scorer.", "act_head.")
 ENCODER_PREFIX = "encoder."
@@ -39,6 +41,9 @@ def describe_family() -> FamilyDescriptor:
 
 @hookimpl
 def detect_config(model_dir: Path, config: Mapping[str, Any] | None) -> Claim | None:
+    claim = jev.detect(model_dir, config, FAMILY)
+    if claim is not None:
+        return claim
     model_type = config.get("model_type") if config else None
     if model_type == "extractor":
         return Claim(FAMILY, model_type, f"config.json model_type {model_type!r}")
@@ -110,6 +115,8 @@ def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
 
 @hookimpl
 def model_geometry(model: ResolvedModel) -> Geometry:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.geometry(model)
     if model.model_type == "laya":
         return _laya_geometry(model)
     enc, where, kind = _encoder(model)
@@ -162,6 +169,8 @@ def encoder_tensors(enc: Mapping[str, Any], kind: str, where: str) -> tuple[list
 
 @hookimpl
 def tensor_layout(model: ResolvedModel) -> TensorLayout:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.layout(model)
     if model.model_type == "laya":
         return _laya_layout(model)
     enc, where, kind = _encoder(model)
@@ -180,11 +189,12 @@ ENGINE_DIR = Path(__file__).parent / "engine"
 # model type -> its engine (each a recipe over the shared runtime), how the engine is configured, and who answers
 # its System One questions (None: core's default, label tokens' logits)
 ENGINES = {
+    jev.MODEL_TYPE: jev.engine_source(),
     "laya": EngineSource(name="colibri-laya", sources=(ENGINE_DIR / "laya.c",), runtime_api=RUNTIME_API),
 }
-ENGINE_ARGS = {"laya": laya.engine_hparams}
+ENGINE_ARGS = {jev.MODEL_TYPE: jev.engine_args, "laya": laya.engine_hparams}
 TOKENIZERS = {"laya": laya.load_tokenizer}
-DECIDERS = {"laya": laya.decider}
+DECIDERS = {jev.MODEL_TYPE: jev.decider, "laya": laya.decider}
 
 
 @hookimpl
@@ -214,6 +224,8 @@ def decider(model: ResolvedModel, tokenizer: Any) -> Any:
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
+    if model.model_type == jev.MODEL_TYPE:
+        return jev.limits(model)
     if model.model_type == "laya":
         _, enc, _ = _laya(model)
         # a Laya sequence never exceeds the checkpoint's max_len (laya cuts the state to fit)
@@ -222,3 +234,9 @@ def limits(model: ResolvedModel) -> Limits:
     enc, _, _ = _encoder(model)
     return Limits(max_context=configs.max_context(enc), has_engine=False,
                   reason_no_engine=f"no engine for {FAMILY} yet")
+
+
+@hookimpl
+def weight_files(model: ResolvedModel) -> tuple[ShardSet, ...] | None:
+    """A JEV head beside a sharded LM is a file its index does not name (core's default reads the index)."""
+    return jev.weight_files(model) if model.model_type == jev.MODEL_TYPE else None

@@ -146,4 +146,10 @@ def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float
     return TinyModel(out, "laya", "laya", int(num), stored_elements(out))
 
 
-TINY_MODELS = {"extractor": build_extractor, "laya": build_laya}
+def _jev_models() -> dict[str, Any]:
+    from .jev_tiny import TINY_MODELS as JEV
+
+    return JEV
+
+
+TINY_MODELS = {"extractor": build_extractor, "laya": build_laya, **_jev_models()}

@@ -15,7 +15,7 @@ import json
 import re
 import string
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import chat_template as ct
 from ..errors import ConfigError, UsageError
@@ -181,8 +181,10 @@ def groups_of(settings: DecisionSettings, questions: list[Question]) -> list[lis
     return [[q] for q in questions]
 
 
-def build_prompts(tok: TextTokenizer, settings: DecisionSettings, state: Any,
-                  questions: list[Question]) -> list[DecisionPrompt]:
+def build_prompts(tok: TextTokenizer, settings: DecisionSettings, state: Any, questions: list[Question],
+                  option_ids: Callable[[Question], list[int]] | None = None) -> list[DecisionPrompt]:
+    """The prompts of a request; each question's options are read at its mark as ``option_ids(question)`` (a
+    decision head's rows), by default its labels' tokens (a language model's logits)."""
     if settings.template is None and not tok.has_chat_template:
         raise CannotDecide("this model has no chat template, so decision prompts cannot be rendered",
                            "add the model's chat_template.jinja, or a decision_template.jinja")
@@ -197,7 +199,8 @@ def build_prompts(tok: TextTokenizer, settings: DecisionSettings, state: Any,
                                "fix decision_template.jinja: one <|mark|> per question")
         if not ids or min(marks) < 1:
             raise CannotDecide("the decision template puts a mark before any token", "fix decision_template.jinja")
-        options = [labels.setdefault(q.labels, label_ids(tok, q.labels)) for q in group]
+        options = [option_ids(q) if option_ids else labels.setdefault(q.labels, label_ids(tok, q.labels))
+                   for q in group]
         prompts.append(DecisionPrompt(ids, marks, group, options))
     return prompts
 

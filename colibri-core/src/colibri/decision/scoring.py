@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..tokenizer import TextTokenizer
 from .prompts import DecisionPrompt, build_prompts, check_context, shared_state_tokens
@@ -43,10 +43,12 @@ def answer_all(settings: DecisionSettings, questions: Sequence[Question],
 
 
 def decide(engine: Any, tok: TextTokenizer, settings: DecisionSettings, state: Any, questions: Any, *,
-           slot: int = 0, ctx: int | None = None) -> Decision:
-    """Answer ``questions`` about ``state`` with the engine's ``decide`` op on ``slot`` (blocking)."""
+           slot: int = 0, ctx: int | None = None,
+           option_ids: Callable[[Question], list[int]] | None = None) -> Decision:
+    """Answer ``questions`` about ``state`` with the engine's ``decide`` op on ``slot`` (blocking); ``option_ids``
+    as :func:`~.prompts.build_prompts` takes it (default: the labels' tokens)."""
     parsed = parse_questions(questions, settings.labels, settings.noul_options)
-    prompts = build_prompts(tok, settings, state, parsed)
+    prompts = build_prompts(tok, settings, state, parsed, option_ids)
     if ctx is not None:
         check_context(prompts, ctx)
     pin = shared_state_tokens(tok, settings, state, prompts)

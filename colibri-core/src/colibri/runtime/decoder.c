@@ -1,6 +1,7 @@
 /* decoder.c: see decoder.h. */
 #include "decoder.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -235,6 +236,30 @@ static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t 
     return d->shared_inter ? load_shared(d, r, f, l, err, errlen) : 0;
 }
 
+/* A decision head in place of the LM head: its weight (and bias) under the names the --set keys give. */
+static int load_head(cb_decoder *d, const char *model_dir, char *err, size_t errlen) {
+    if (d->head_rows > d->vocab) {
+        snprintf(err, errlen, "--set decision_head_rows=%d: more than the vocabulary's %d rows", d->head_rows,
+                 d->vocab);
+        return -1;
+    }
+    if (d->head_file && *d->head_file) {
+        char path[4096];
+        if (strchr(d->head_file, '/') || snprintf(path, sizeof path, "%s/%s", model_dir, d->head_file) >=
+                                             (int)sizeof path) {
+            snprintf(err, errlen, "--set decision_head_file=%s: a file name of the model directory", d->head_file);
+            return -1;
+        }
+        if (cb_st_add_file(&d->idx, path, err, errlen)) return -1;
+    }
+    d->tied = 0;
+    if (cb_load_linear(&d->lm_head, &d->idx, d->head_weight, d->head_rows, d->hidden, &d->dense_bytes, err, errlen))
+        return -1;
+    return d->head_bias && *d->head_bias
+               ? cb_load_vector(&d->head_bias_v, &d->idx, d->head_bias, d->head_rows, &d->dense_bytes, err, errlen)
+               : 0;
+}
+
 static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
                     size_t errlen) {
     cb_decoder *d = m;
@@ -263,7 +288,10 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
         load_norm(&d->final_norm, d, r->norm_name ? r->norm_name : "model.norm.weight", 0, err, errlen) ||
         (r->model_tensors && cb_load_tensors(m, m, r->model_tensors, 0, &d->idx, &d->dense_bytes, err, errlen)))
         return -1;
-    if (d->tied) d->lm_head = d->embed;
+    if (d->head_rows) {
+        if (load_head(d, a->model_dir, err, errlen)) return -1;
+        info->decide_only = 1;
+    } else if (d->tied) d->lm_head = d->embed;
     else if (cb_load_linear(&d->lm_head, &d->idx,
                             cb_decoder_name(d, name, sizeof name, r->lm_head_name ? r->lm_head_name : "lm_head.weight",
                                             0),
@@ -349,6 +377,7 @@ void cb_decoder_unload(void *model) {
     cb_linear_free(&d->embed);
     if (!d->tied) cb_linear_free(&d->lm_head);
     free(d->final_norm);
+    free(d->head_bias_v);
     free(d->x);
     free(d->h);
     free(d->proj);
@@ -400,10 +429,27 @@ int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen) {
     return 0;
 }
 
+/* The decision head's rows, computed packed at the front of logits, spread to the vocab-wide rows the engine reads
+ * (from the last row back, so no row is overwritten before it moved), biased and soft-capped. */
+static void head_logits(cb_decoder *d, float *logits, int rows) {
+    size_t V = (size_t)d->vocab, R = (size_t)d->head_rows;
+    cb_linear_apply(&d->lm_head, logits, d->h, rows);
+    for (int i = rows - 1; i >= 0; i--) {
+        float *row = logits + (size_t)i * V;
+        memmove(row, logits + (size_t)i * R, R * sizeof(float));
+        for (size_t v = 0; v < R; v++) {
+            float x = row[v] + (d->head_bias_v ? d->head_bias_v[v] : 0.0f);
+            row[v] = d->softcap > 0 ? d->softcap * tanhf(x / d->softcap) : x;
+        }
+        for (size_t v = R; v < V; v++) row[v] = -INFINITY;
+    }
+}
+
 void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits) {
     int first = all_logits ? 0 : n - 1;
     norm_rows(d, d->h, d->x + (size_t)first * (size_t)d->hidden, d->final_norm, n - first);
-    cb_linear_apply(&d->lm_head, logits, d->h, n - first);
+    if (d->head_rows) head_logits(d, logits, n - first);
+    else cb_linear_apply(&d->lm_head, logits, d->h, n - first);
 }
 
 int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,

@@ -126,6 +126,14 @@ typedef struct {
     int shared_inter;          /* CB_FFN_MOE: the shared expert's width (0: none) */
     int norm_offset;           /* every decoder norm is stored zero-centred: its scale is 1 + w (Qwen3-Next) */
     const char *prefix;        /* the checkpoint's text-model prefix in place of "model." (NULL: model.) */
+    /* A decision head in place of the LM head (CB_DECODER_HEAD_HPARAMS): head_rows scores of each normed row,
+     * head_weight [head_rows, hidden] plus head_bias, soft-capped when softcap > 0 (softcap * tanh(x / softcap)),
+     * written into the first head_rows logits of the row (the rest -inf). The model then only decides. */
+    int head_rows;
+    const char *head_weight, *head_bias;
+    const char *head_file;     /* a file of the model directory holding the head, added to a sharded index */
+    float softcap;
+    float *head_bias_v;
     int layout;                /* which alternative of every '|'-separated name the checkpoint uses (cb_decoder_name) */
     float expert_limit;        /* > 0: the routed experts' SwiGLU is clamped (cb_moe.swiglu_limit) */
     const int *tokens;         /* the current forward call's tokens (cb_decoder_embed), for token-routed layers */
@@ -153,6 +161,13 @@ typedef struct {
 #define CB_DECODER_MOE_HPARAMS(T, d)                                                                        \
     CB_HP_REQ("intermediate_size", T, d.moe.inter), CB_HP_REQ("num_experts", T, d.moe.n_experts),           \
     CB_HP_REQ("num_experts_per_tok", T, d.moe.top_k), CB_HP_FLAG("norm_topk_prob", T, d.moe.norm_topk_prob, 0)
+/* A decision head over the decoder (the decoder fields head_rows, head_weight, head_bias, softcap). */
+#define CB_DECODER_HEAD_HPARAMS(T, d)                                                                       \
+    CB_HP_OPT("decision_head_rows", T, d.head_rows, 0, CB_HP_NONNEG),                                       \
+    CB_HP_TEXT("decision_head_weight", T, d.head_weight, "proj.weight"),                                    \
+    CB_HP_TEXT("decision_head_bias", T, d.head_bias, ""),                                                   \
+    CB_HP_TEXT("decision_head_file", T, d.head_file, ""),                                                   \
+    CB_HP_NUM("logit_softcap", T, d.softcap, 0.0, CB_HP_NONNEG)
 /* Dense leading layers and grouped-routed MoE layers (DeepSeek-V3 names; mlp_layers: D or M per layer). */
 #define CB_DECODER_GROUPED_HPARAMS(T, d)                                                                    \
     CB_HP_REQ("intermediate_size", T, d.inter), CB_HP_REQ("moe_intermediate_size", T, d.moe.inter),        \
@@ -223,7 +238,7 @@ void cb_decoder_residual(cb_decoder *d, int n);
 int cb_decoder_ffn_block(cb_decoder *d, int l, int n, char *err, size_t errlen);
 /* x += ffn(rmsnorm(x)) of layer l. 0, or -1 with a message (an expert read failed). */
 int cb_decoder_ffn(cb_decoder *d, int l, int n, char *err, size_t errlen);
-/* logits = lm_head(rmsnorm(x)) of every row when all_logits, else of the last. */
+/* logits = lm_head(rmsnorm(x)) of every row when all_logits, else of the last (a decision head's scores, with it). */
 void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits);
 
 /* Checkpoint layouts. A name (any format the decoder or a table gives) may list alternatives separated by '|', one

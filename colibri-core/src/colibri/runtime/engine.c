@@ -555,15 +555,6 @@ static void do_submit(engine_t *E, cb_json *req) {
     cb_decide decide = {0};
     cb_json *op = cb_json_get(req, "op");
     int deciding = op && op->type == CB_JSTR && !strcmp(op->str, "decide");
-    if (!deciding && !E->fam->forward) {
-        cb_procs_free(&procs);
-        free(prompt);
-        free(stop);
-        free(forced);
-        snprintf(err, ERRLEN, "the %s engine only decides (op \"decide\"); it cannot generate", E->fam->name);
-        emit_error(E, 1, id, "bad_request", err);
-        return;
-    }
     if (deciding && cb_decide_parse(req, E->info.vocab, n_prompt, &decide, err, ERRLEN)) {
         cb_procs_free(&procs);
         free(prompt);
@@ -667,6 +658,8 @@ static void handle_line(engine_t *E, const char *line, size_t n) {
         emit_error(E, 0, 0, "bad_request", "a request must be a JSON object");
     } else if (!op || op->type != CB_JSTR) {
         emit_error(E, has_id, id, "bad_request", "missing string field \"op\"");
+    } else if (!strcmp(op->str, "submit") && (E->info.decide_only || !E->fam->forward)) {
+        emit_error(E, has_id, id, "bad_request", "this model only decides (a decision head or an encoder): use op \"decide\"");
     } else if (!strcmp(op->str, "submit") || !strcmp(op->str, "decide")) {
         do_submit(E, req);
     } else if (!strcmp(op->str, "cancel")) {
@@ -960,8 +953,8 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    cb_buf_puts(&E.out, family->forward ? ",\"abilities\":[\"chat\",\"decide\"]}"
-                                        : ",\"abilities\":[\"decide\"]}");
+    int decide_only = E.info.decide_only || !family->forward;   /* a head-only model, or an encoder */
+    cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\"]}");
     emit(&E);
 
     rc = 0;

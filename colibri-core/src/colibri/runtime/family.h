@@ -30,6 +30,8 @@ typedef struct {
                                 * a slot's prefix is reused only up to the live state or that checkpoint */
     size_t dense_bytes;
     size_t expert_cache_bytes;
+    int decide_only;           /* 1: the logits are a decision head's scores, not next tokens: the engine announces
+                                * only "decide" and refuses generation */
     int n_expert_layers;
     cb_expert_layer **expert_layers;   /* owned by the model; read for stats */
 } cb_model_info;

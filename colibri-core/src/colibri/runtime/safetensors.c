@@ -401,6 +401,19 @@ int cb_st_open(cb_st_index *idx, const char *model_dir, char *err, size_t errlen
     return rc;
 }
 
+int cb_st_add_file(cb_st_index *idx, const char *path, char *err, size_t errlen) {
+    for (int i = 0; i < idx->n_shards; i++)
+        if (strcmp(idx->shard_paths[i], path) == 0) return 0;   /* the directory's own listing had it */
+    int cap = idx->n_tensors;   /* the tensor array is exactly full: add_tensor grows it */
+    free(idx->table);
+    idx->table = NULL;
+    int rc = add_shard(idx, path, err, errlen);
+    if (rc == 0) rc = index_shard(idx, idx->n_shards - 1, &cap, err, errlen);
+    if (rc == 0) rc = build_table(idx, err, errlen);
+    if (rc) cb_st_close(idx);
+    return rc;
+}
+
 void cb_st_close(cb_st_index *idx) {
     if (idx->quant_free) idx->quant_free(idx->quant);
     for (int i = 0; i < idx->n_shards; i++) {

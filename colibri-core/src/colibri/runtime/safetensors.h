@@ -42,6 +42,9 @@ typedef struct {
 /* Open model_dir/model.safetensors.index.json (its weight_map's shards) or else every *.safetensors in the
  * directory, and index all tensors. Returns 0, or -1 with a message naming the file and the problem. */
 int cb_st_open(cb_st_index *idx, const char *model_dir, char *err, size_t errlen);
+/* Add one more file to an open index (a head shipped beside a sharded checkpoint, which its index does not name).
+ * 0, or -1 with a message (the index is then closed). */
+int cb_st_add_file(cb_st_index *idx, const char *path, char *err, size_t errlen);
 void cb_st_close(cb_st_index *idx);
 
 const cb_tensor *cb_st_find(const cb_st_index *idx, const char *name);
