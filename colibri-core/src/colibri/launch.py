@@ -14,6 +14,7 @@ from . import builder, hooks
 from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, load_facts
+from .kv_store import DEFAULT_BUDGET_BYTES as DEFAULT_KV_BUDGET
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 from .validation import require_sound_tensors
@@ -255,8 +256,30 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
 
 
-def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> Engine:
-    return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
+@dataclass(frozen=True)
+class KVOptions:
+    """Saved conversation KV (colibri/kv_store.py): ``directory`` None means the cache's kv/ directory."""
+
+    enabled: bool = True
+    directory: str | None = None
+    budget: int = DEFAULT_KV_BUDGET
+
+
+def kv_store_for(spec: LaunchSpec, kv: KVOptions):
+    """The store of ``spec``'s model under ``kv`` (its identity: family, weights, hyperparameters)."""
+    from .kv_store import KVStore, hyperparameter_args, kv_root, model_identity
+
+    identity = model_identity(spec.facts.model.path, spec.facts.model.family, hyperparameter_args(spec.argv))
+    return KVStore(kv_root(kv.directory), identity, kv.budget)
+
+
+def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT, kv: KVOptions | None = None) -> Engine:
+    """Start the engine of ``spec``; with ``kv`` enabled, its slots are saved and restored (kv_store.py)."""
+    if kv is None or not kv.enabled:
+        return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
+    store = kv_store_for(spec, kv)
+    return Engine((*spec.argv, "--kv-identity", store.identity), env=spec.env, ready_timeout=ready_timeout,
+                  kv_store=store)
 
 
 def open_engine(model: ResolvedModel, **kwargs) -> Engine:

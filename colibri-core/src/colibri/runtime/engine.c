@@ -19,6 +19,7 @@
 #include "decide.h"
 #include "json.h"
 #include "kernels.h"
+#include "kv_file.h"
 #include "logits_procs.h"
 #include "sampler.h"
 
@@ -28,6 +29,7 @@
 #define DEFAULT_PREFILL_CHUNK 32
 #define MAX_LINE ((size_t)16 << 20)
 #define ERRLEN 512
+#define KV_PATH_MAX 4096
 
 /* SEQ_AWAIT_MASK: constrained decoding; the step's logits are held until the caller's "mask" arrives. */
 typedef enum { SEQ_IDLE = 0, SEQ_PREFILL, SEQ_DECODE, SEQ_AWAIT_MASK } seq_phase;
@@ -49,6 +51,7 @@ typedef struct {
     cb_sampler sampler;
     cb_procs procs;            /* penalties, bias, mask, logprobs (logits_procs.h) */
     cb_decide decide;          /* a decide request's marks and options (n_marks 0: a generation) */
+    char *kv_save;             /* where to save the slot's state when the sequence ends ("kv_save"), or NULL */
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
@@ -75,6 +78,7 @@ typedef struct {
     size_t in_len, in_cap;
     int in_eof, discarding, shutdown;
     uint64_t prefilled_total, generated_total;
+    const char *kv_identity;   /* --kv-identity: the model identity saved KV files must carry */
 } engine_t;
 
 /* ---- small helpers ---- */
@@ -234,10 +238,74 @@ static void seq_clear(slot_t *s) {
     free(s->prompt);
     free(s->stop);
     free(s->forced);
+    free(s->kv_save);
+    s->kv_save = NULL;
     s->prompt = s->stop = s->forced = NULL;
     cb_procs_free(&s->procs);
     cb_decide_free(&s->decide);
     s->phase = SEQ_IDLE;
+}
+
+static cb_kv_geometry kv_geometry(const engine_t *E) {
+    cb_kv_geometry g = {E->fam->name, E->kv_identity, E->info.n_layers, E->info.kv_dim, E->info.kv_k_only, E->ctx,
+                        E->info.state_bytes};
+    return g;
+}
+
+/* The end of a sequence saves the slot when asked: every fed token (the last sampled one is not fed yet), the
+ * state at exactly that length, and the end-of-prompt checkpoint. A failed save is a warning in done, never an
+ * error: the answer is already out. */
+static void save_slot(engine_t *E, slot_t *s, cb_buf *b) {
+    if (!s->kv_save || s->n_tokens < 1) return;
+    char err[ERRLEN];
+    cb_kv_geometry g = kv_geometry(E);
+    size_t bytes = cb_kv_file_save(s->kv_save, &g, &s->kv, s->tokens, s->n_tokens, s->snap, s->snap_pos, err,
+                                   sizeof err);
+    if (bytes) {
+        cb_buf_printf(b, ",\"kv_saved_tokens\":%d,\"kv_saved_bytes\":%zu", s->n_tokens, bytes);
+    } else {
+        fprintf(stderr, "warning: %s\n", err);
+        cb_buf_puts(b, ",\"kv_warning\":");
+        cb_buf_json_str(b, err);
+    }
+}
+
+/* "kv_load": take the slot's prefix from a saved file when it beats what the slot holds. Returns the tokens now
+ * reusable (at least `reuse`, the in-memory answer); on any failure the slot's prefix is forgotten (0) and `warn`
+ * says why. The recurrent state restores only at the saved length or at the saved checkpoint, never in between. */
+static int load_slot(engine_t *E, slot_t *s, const char *path, const int *prompt, int keep, int reuse, int *loaded,
+                     char *warn) {
+    cb_kv_geometry g = kv_geometry(E);
+    cb_kv_file f;
+    *loaded = 0;
+    if (cb_kv_file_open(&f, path, &g, warn, ERRLEN)) return reuse;
+    int common = 0;
+    while (common < f.n_tokens && common < keep && f.tokens[common] == prompt[common]) common++;
+    int usable = common;
+    if (s->kv.state) usable = common == f.n_tokens ? common : f.snap_pos && f.snap_pos <= common ? f.snap_pos : 0;
+    if (usable <= reuse) {
+        cb_kv_file_close(&f);
+        return reuse;
+    }
+    if (cb_kv_file_read(&f, &g, &s->kv, s->kv.state, s->snap, warn, ERRLEN)) {
+        cb_kv_file_close(&f);
+        s->n_tokens = 0;
+        s->snap_pos = 0;
+        return 0;
+    }
+    memcpy(s->tokens, f.tokens, (size_t)f.n_tokens * sizeof(int));
+    s->n_tokens = f.n_tokens;
+    if (s->kv.state) {
+        if (usable == f.n_tokens) {
+            s->snap_pos = f.snap_pos;
+        } else {
+            memcpy(s->kv.state, s->snap, E->info.state_bytes);
+            s->snap_pos = usable;
+        }
+    }
+    cb_kv_file_close(&f);
+    *loaded = usable;
+    return usable;
 }
 
 static void finish(engine_t *E, slot_t *s, const char *reason) {
@@ -259,7 +327,9 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     cb_buf_printf(b, ",\"decode\":{\"steps\":%d", s->decode_steps);
     put_counters(b, &dc);
     put_profile(b, &dp, s->forward_s - s->prefill_forward_s);
-    cb_buf_printf(b, "},\"rss_bytes\":%zu}", cb_rss_bytes());
+    cb_buf_puts(b, "}");
+    save_slot(E, s, b);
+    cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
     emit(E);
     seq_clear(s);
 }
@@ -455,6 +525,20 @@ static int ids_field(cb_json *req, const char *key, int vocab, int **out, int *n
     return 0;
 }
 
+/* An optional file path field ("kv_load", "kv_save"): NULL when absent; borrowed from the request. */
+static int path_field(cb_json *req, const char *key, const char **out, char *err) {
+    cb_json *v = cb_json_get(req, key);
+    *out = NULL;
+    if (!v || v->type == CB_JNULL) return 0;
+    if (v->type != CB_JSTR || !v->str[0] || strlen(v->str) >= KV_PATH_MAX) {
+        snprintf(err, ERRLEN, "field \"%s\" must be a file path (a non-empty string under %d bytes)", key,
+                 KV_PATH_MAX);
+        return -1;
+    }
+    *out = v->str;
+    return 0;
+}
+
 static slot_t *find_seq(engine_t *E, int64_t id) {
     for (int i = 0; i < E->n_slots; i++)
         if (E->slots[i].phase != SEQ_IDLE && E->slots[i].id == id) return &E->slots[i];
@@ -482,6 +566,11 @@ static void do_submit(engine_t *E, cb_json *req) {
     int is_f32 = lg && lg->type == CB_JSTR && strcmp(lg->str, "f32") == 0;
     if (lg && lg->type != CB_JBOOL && lg->type != CB_JNULL && !is_f32) {
         emit_error(E, 1, id, "bad_request", "field \"logits\" must be a boolean or \"f32\"");
+        return;
+    }
+    const char *kv_load, *kv_save;
+    if (path_field(req, "kv_load", &kv_load, err) || path_field(req, "kv_save", &kv_save, err)) {
+        emit_error(E, 1, id, "bad_request", err);
         return;
     }
     if (find_seq(E, id)) {
@@ -555,6 +644,13 @@ static void do_submit(engine_t *E, cb_json *req) {
             reuse = 0;
         }
     }
+    int loaded = 0;
+    char kv_warn[ERRLEN];
+    kv_warn[0] = 0;
+    if (kv_load) {
+        reuse = load_slot(E, s, kv_load, prompt, keep, reuse, &loaded, kv_warn);
+        if (kv_warn[0]) fprintf(stderr, "warning: %s; prefilling instead\n", kv_warn);
+    }
     if (s->kv.state && reuse == 0) memset(s->kv.state, 0, E->info.state_bytes);
     if (s->snap_pos > reuse) s->snap_pos = 0;    /* the tokens it covered are about to be overwritten */
     s->n_tokens = reuse;
@@ -582,9 +678,16 @@ static void do_submit(engine_t *E, cb_json *req) {
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
     s->procs = procs;
     s->sampler.min_p = procs.min_p;
+    s->kv_save = kv_save ? strdup(kv_save) : NULL;   /* a failed copy only skips the save */
     s->phase = SEQ_PREFILL;
-    cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
+    cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d",
                   (long long)id, (long long)slot_no, n_prompt, reuse);
+    if (kv_load) cb_buf_printf(&E->out, ",\"kv_loaded\":%d", loaded);
+    if (kv_warn[0]) {
+        cb_buf_puts(&E->out, ",\"kv_warning\":");
+        cb_buf_json_str(&E->out, kv_warn);
+    }
+    cb_buf_puts(&E->out, "}");
     emit(E);
 }
 
@@ -746,6 +849,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
     E->threads = 0;
     E->prefill_chunk = DEFAULT_PREFILL_CHUNK;
     E->stream = cb_stream_defaults();
+    E->kv_identity = "";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
@@ -765,7 +869,13 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
         else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
-        else if (!strcmp(a, "--hotset")) {
+        else if (!strcmp(a, "--kv-identity")) {
+            if (!v || strlen(v) > CB_KV_IDENTITY_LEN) {
+                snprintf(err, ERRLEN, "--kv-identity needs a string of at most %d bytes", CB_KV_IDENTITY_LEN);
+                return -1;
+            }
+            E->kv_identity = v;
+        } else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
             E->stream.hotset_path = v;
         } else if (!strcmp(a, "--io")) {
@@ -800,7 +910,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
                                   "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
-                                  "--hotset, --experts-k, --experts-top-p)", a);
+                                  "--hotset, --experts-k, --experts-top-p, --kv-identity)", a);
             return -1;
         }
         if (rc) return -1;
@@ -928,7 +1038,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    cb_buf_puts(&E.out, ",\"abilities\":[\"chat\",\"decide\"]}");
+    cb_buf_puts(&E.out, ",\"abilities\":[\"chat\",\"decide\",\"kv_files\"]}");
     emit(&E);
 
     rc = 0;
