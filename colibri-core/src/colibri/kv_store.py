@@ -12,6 +12,7 @@ extends it) and removed.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -33,7 +34,8 @@ VERSION = 1
 # n_tokens, snap_pos, reserved, state_bytes, payload_bytes, checksum
 HEADER = struct.Struct("<8sII32s64sIIIIIIQQQ")
 IDENTITY_SAMPLE = 64 * 1024              # bytes read from each end of each weight file for the identity
-STALE_TMP_S = 3600.0                     # a temporary file this old is a crashed save
+STALE_TMP_S = 3600.0
+MODEL_RECORD = "model.json"                     # a temporary file this old is a crashed save
 
 
 def kv_root(kv_dir: str | os.PathLike | None = None) -> Path:
@@ -152,6 +154,21 @@ class KVStore:
         self._lock = threading.Lock()
         self._tokens: dict[tuple[str, int, int], tuple[int, ...]] = {}   # (name, inode, size) -> token ids
 
+    def describe(self, model_path: Path, family: str) -> None:
+        """Name the model in the directory (``model.json``: what ``coli kv list`` shows and ``clear --model``
+        matches); a failure only costs that label."""
+        record = {"model": str(Path(model_path).resolve()), "name": Path(model_path).name, "family": family,
+                  "identity": self.identity}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if describe_model(self.directory) == record:
+                return
+            tmp = self.directory / f"{MODEL_RECORD}.tmp.{os.getpid()}"
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, self.directory / MODEL_RECORD)
+        except OSError as exc:
+            log.warning("kv dir %s: %s (check --kv-dir)", self.directory, exc.strerror)
+
     def _scan(self) -> list[Saved]:
         try:
             paths = [p for p in self.directory.iterdir() if p.name.endswith(SUFFIX)]
@@ -252,6 +269,15 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+def describe_model(directory: Path) -> dict[str, Any]:
+    """A model directory's ``model.json`` ({} when missing or unreadable)."""
+    try:
+        data = json.loads((directory / MODEL_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def model_dirs(root: Path) -> Iterable[Path]:

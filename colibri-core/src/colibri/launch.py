@@ -269,15 +269,20 @@ def kv_store_for(spec: LaunchSpec, kv: KVOptions):
     """The store of ``spec``'s model under ``kv`` (its identity: family, weights, hyperparameters)."""
     from .kv_store import KVStore, hyperparameter_args, kv_root, model_identity
 
-    identity = model_identity(spec.facts.model.path, spec.facts.model.family, hyperparameter_args(spec.argv))
-    return KVStore(kv_root(kv.directory), identity, kv.budget)
+    model = spec.facts.model
+    identity = model_identity(model.path, model.family, hyperparameter_args(spec.argv))
+    store = KVStore(kv_root(kv.directory), identity, kv.budget)
+    store.describe(model.path, model.family)
+    return store
 
 
-def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT, kv: KVOptions | None = None) -> Engine:
-    """Start the engine of ``spec``; with ``kv`` enabled, its slots are saved and restored (kv_store.py)."""
+def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT, kv: KVOptions | None = None,
+          store=None) -> Engine:
+    """Start the engine of ``spec``; with ``kv`` enabled, its slots are saved and restored (kv_store.py) in
+    ``store`` (default: :func:`kv_store_for`)."""
     if kv is None or not kv.enabled:
         return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
-    store = kv_store_for(spec, kv)
+    store = store or kv_store_for(spec, kv)
     return Engine((*spec.argv, "--kv-identity", store.identity), env=spec.env, ready_timeout=ready_timeout,
                   kv_store=store)
 

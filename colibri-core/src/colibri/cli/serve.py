@@ -31,14 +31,15 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
-                      streaming_options)
+                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
+                      PreloadOption, kv_options, streaming_options)
 
-_SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2}
+_SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+                  "g": 1024 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
 
 
-def parse_size(text: str) -> int:
-    """``--max-body``: bytes, or with a K/M/KiB/MiB suffix."""
+def parse_size(text: str, flag: str = "--max-body") -> int:
+    """``--max-body``, ``--kv-disk-budget``: bytes, or with a K/M/G/KiB/MiB/GiB suffix."""
     raw = text.strip().lower()
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     suffix = raw[len(number):]
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if suffix not in _SIZE_SUFFIXES or value <= 0:
-        raise UsageError(f"--max-body {text!r}: not a size", "give bytes or a size such as 1MiB or 512K")
+        raise UsageError(f"{flag} {text!r}: not a size", "give bytes or a size such as 1MiB, 512K or 8G")
     return int(value * _SIZE_SUFFIXES[suffix])
 
 
@@ -151,6 +152,9 @@ def serve_command(
     disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s", help="The model disk's read "
                                          "bandwidth for the dashboard's disk bound (default: what coli plan "
                                          "--measure-disk or coli setup measured on that disk)."),
+    kv: bool | None = KvOption,
+    kv_dir: str | None = KvDirOption,
+    kv_disk_budget: str = KvBudgetOption,
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from .. import hooks
@@ -173,6 +177,7 @@ def serve_command(
     if queue_timeout <= 0:
         raise UsageError(f"--queue-timeout {queue_timeout:g}: must be a positive number of seconds")
     body_limit = parse_size(max_body)
+    kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)
     if body_limit < 1024:
         raise UsageError(f"--max-body {max_body}: must be at least 1 KiB")
     for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
@@ -218,7 +223,7 @@ def serve_command(
         fatal.append(detail)
         server.should_exit = True
 
-    application = create_app(config, lambda: start(spec), codec, on_fatal=on_fatal,
+    application = create_app(config, lambda: start(spec, kv=kv_opts), codec, on_fatal=on_fatal,
                              default_sampling=checkpoint_sampling(resolved.path))
     # access_log off: colibri.server.access logs each request with its route, tokens and duration instead
     server = uvicorn_server(application, config, log_level=level, timeout_graceful_shutdown=5, access_log=False)
