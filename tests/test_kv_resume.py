@@ -34,11 +34,16 @@ FAMILIES = {
 }
 
 
+# deepseek_v32 as its own parity test runs it sparse: 8 of the ~60 positions selected, so the loaded index keys
+# decide what every new query attends to
+OVERRIDES = {"deepseek_v32": dict(index_topk=8, index_n_heads=8)}
+
+
 def spec_of(kind: str, root: Path, seed: int = 0):
     pytest.importorskip(FAMILIES[kind][1])
     from colibri.testing.tiny import tiny_model
 
-    built = tiny_model(kind, root, seed=seed)
+    built = tiny_model(kind, root, seed=seed, **OVERRIDES.get(kind, {}))
     return built, launch.prepare(resolve_model(str(built.path)), ctx=CTX, cap=1, threads=1)
 
 
@@ -49,7 +54,7 @@ def turn(spec, prompt, kv=None, store=None, **fields):
 
 
 def hf_greedy(path: Path, prompt: list[int]) -> list[int] | None:
-    """transformers' greedy continuation, or None when it has a near-tie (then only the engines are compared)."""
+    """transformers' greedy continuation, or None when it has a near-tie (a flip under float noise)."""
     import torch
     import transformers
 
@@ -87,8 +92,8 @@ def test_second_turn_after_restart_prefills_only_the_new_tokens(kind, tiny_root,
     assert fresh.stats["prefilled_tokens"] == len(second)
     assert two.tokens == fresh.tokens
     reference = hf_greedy(built.path, second)
-    if reference is not None:
-        assert two.tokens == reference
+    assert reference is not None, "the seeded prompt has a near-tie in transformers: pick another seed"
+    assert two.tokens == reference
     # the second save extends the first, which is then superseded
     files = sorted(store.directory.glob("*.kv"))
     assert sorted(read_saved(f).n_tokens for f in files) == sorted([len(branch) + GEN - 1, len(second) + GEN - 1])
