@@ -191,3 +191,16 @@ class Surgery:
 @pytest.fixture
 def surgery() -> type[Surgery]:
     return Surgery
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_kv_dir(tmp_path_factory):
+    """Each module saves conversation KV (on by default in coli chat and serve) in its own directory, so no test
+    loads what another module's requests saved (that would change their reuse counts, never their tokens)."""
+    before = os.environ.get("COLIBRI_KV_DIR")
+    os.environ["COLIBRI_KV_DIR"] = str(tmp_path_factory.mktemp("kv"))
+    yield
+    if before is None:
+        os.environ.pop("COLIBRI_KV_DIR", None)
+    else:
+        os.environ["COLIBRI_KV_DIR"] = before

@@ -38,9 +38,14 @@ STALE_TMP_S = 3600.0
 MODEL_RECORD = "model.json"                     # a temporary file this old is a crashed save
 
 
+KV_DIR_ENV = "COLIBRI_KV_DIR"
+
+
 def kv_root(kv_dir: str | os.PathLike | None = None) -> Path:
-    """``--kv-dir``, else ``<cache>/kv`` (``$COLIBRI_CACHE`` or ``$XDG_CACHE_HOME/colibri``)."""
-    return Path(kv_dir).expanduser() if kv_dir else cache_root() / "kv"
+    """``--kv-dir``, else ``$COLIBRI_KV_DIR``, else ``<cache>/kv`` (``$COLIBRI_CACHE`` or
+    ``$XDG_CACHE_HOME/colibri``)."""
+    chosen = kv_dir or os.environ.get(KV_DIR_ENV)
+    return Path(chosen).expanduser() if chosen else cache_root() / "kv"
 
 
 def model_identity(model_dir: Path, family: str, engine_args: Sequence[str] = ()) -> str:

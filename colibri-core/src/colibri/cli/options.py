@@ -67,8 +67,8 @@ KvOption = typer.Option(
 )
 KvDirOption = typer.Option(
     None, "--kv-dir", metavar="DIR",
-    help="Where saved KV lives, one subdirectory per model (default: $COLIBRI_CACHE/kv, else "
-         "$XDG_CACHE_HOME/colibri/kv); implies --kv.",
+    help="Where saved KV lives, one subdirectory per model (default: $COLIBRI_KV_DIR, else $COLIBRI_CACHE/kv, "
+         "else $XDG_CACHE_HOME/colibri/kv); implies --kv.",
 )
 KvBudgetOption = typer.Option(
     "8G", "--kv-disk-budget", metavar="SIZE",
