@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_layouts  # noqa: E402
+import real_layouts
 
 F32 = 4
 TOKEN_ID = 4

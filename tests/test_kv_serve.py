@@ -19,10 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's serve harness
-from cli_server import coli_server  # noqa: E402
+from cli_server import coli_server
 
-from colibri.cli import app  # noqa: E402
-from colibri.kv_store import common_prefix, read_saved  # noqa: E402
+from colibri.cli import app
+from colibri.kv_store import common_prefix, read_saved
 
 CTX = 256
 FLAGS = ["--ctx", str(CTX), "--cap", "1", "--threads", "1"]

@@ -111,8 +111,8 @@ def read_saved(path: Path, with_tokens: bool = True) -> Saved | None:
     except OSError:
         return None
     return Saved(path, family.rstrip(b"\0").decode("utf-8", "replace"),
-                 identity.rstrip(b"\0").decode("utf-8", "replace"), n_tokens, snap_pos, state_bytes, st.st_size, st.st_mtime,
-                 tokens)
+                 identity.rstrip(b"\0").decode("utf-8", "replace"), n_tokens, snap_pos, state_bytes, st.st_size,
+                 st.st_mtime, tokens)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
