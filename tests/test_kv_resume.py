@@ -137,7 +137,8 @@ def test_bad_files_are_ignored_with_a_warning(kind, how, tiny_root, tmp_path):
     bad = src if how == "foreign" else damaged(src, tmp_path / "bad.kv", how)
     # the engine, handed the file directly, refuses it and prefills everything
     with launch.start(spec, kv=kv, store=store) as engine:
-        result = engine.generate(second, max_tokens=GEN, kv_load=str(bad), kv_save=str(tmp_path / "new.kv"))
+        result = engine.generate(second, max_tokens=GEN, kv_load=str(bad), kv_save=str(tmp_path / "new.kv"),
+                                 kv_identity=store.identity)
     assert result.accept["kv_loaded"] == 0 and result.accept["reused_tokens"] == 0
     reason = {"corrupt": "checksum mismatch", "truncated": "truncated", "hostile": "token count",
               "header_bit": "payload size", "foreign": "another model"}[how]

@@ -168,7 +168,7 @@ def saved_kv(s: Session, prompt: list[int], vocab: int, tmp: Path) -> None:
     damaged = s.until("done", 23)
     check(damaged[0].get("kv_loaded") == 0 and "checksum" in damaged[0].get("kv_warning", "") and
           [e["tok"] for e in damaged if e["ev"] == "token"] == tokens[1], f"a corrupt file is refused: {damaged[0]}")
-    for bad in ({"kv_load": 3}, {"kv_save": ""}, {"kv_load": "x" * 5000}):
+    for bad in ({"kv_load": 3}, {"kv_save": ""}, {"kv_load": "x" * 5000}, {"kv_identity": "x" * 65}):
         s.send({"op": "submit", "id": 24, "slot": 0, "prompt": prompt[:3], **bad})
         e = s.event()
         check(e["ev"] == "error" and e["code"] == "bad_request", f"bad kv field {bad}: {e}")

@@ -137,7 +137,7 @@ class Engine:
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                  ready_timeout: float = DEFAULT_READY_TIMEOUT, kv_store: Any = None):
-        """``kv_store``: a :class:`colibri.kv_store.KVStore` (the engine started with its ``--kv-identity``):
+        """``kv_store``: a :class:`colibri.kv_store.KVStore`: when the engine announces the ``kv_files`` ability,
         every submit then loads the best saved prefix and saves its slot when it ends."""
         self.argv = [str(a) for a in argv]
         self.kv_store = kv_store
@@ -251,7 +251,8 @@ class Engine:
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` as [id, bias] pairs,
         ``logprobs``, ``constrained``, ``dist``, ``kv_load``, ``kv_save``); None values are left out."""
         rid = next(self._ids)
-        plan = self.kv_store.plan(prompt) if self.kv_store is not None and "kv_save" not in processors else None
+        plan = (self.kv_store.plan(prompt) if self.kv_store is not None and "kv_save" not in processors and
+                "kv_files" in self.ready.get("abilities", ()) else None)
         req = Request(self, rid, slot, plan)
         msg: dict[str, Any] = {
             "op": "submit", "id": rid, "slot": int(slot), "prompt": [int(t) for t in prompt],

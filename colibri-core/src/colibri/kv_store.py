@@ -142,8 +142,10 @@ class KVPlan:
     load_tokens: int
     save: Path
 
+    identity: str = ""
+
     def fields(self) -> dict[str, str]:
-        out = {"kv_save": str(self.save)}
+        out = {"kv_save": str(self.save), "kv_identity": self.identity}
         if self.load is not None:
             out["kv_load"] = str(self.load)
         return out
@@ -219,7 +221,7 @@ class KVStore:
                 _touch(best.path)
             material = self.identity.encode() + struct.pack(f"<{len(prompt)}i", *prompt)
             save = self.directory / (hashlib.sha256(material).hexdigest()[:32] + SUFFIX)
-            return KVPlan(best.path if best else None, best_key[0], best.n_tokens if best else 0, save)
+            return KVPlan(best.path if best else None, best_key[0], best.n_tokens if best else 0, save, self.identity)
 
     def settle(self, plan: KVPlan, done: Mapping[str, Any]) -> None:
         """After a sequence's ``done``: drop the file the new save supersedes, then hold the budget."""

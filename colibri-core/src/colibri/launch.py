@@ -282,9 +282,7 @@ def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT, kv: KV
     ``store`` (default: :func:`kv_store_for`)."""
     if kv is None or not kv.enabled:
         return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
-    store = store or kv_store_for(spec, kv)
-    return Engine((*spec.argv, "--kv-identity", store.identity), env=spec.env, ready_timeout=ready_timeout,
-                  kv_store=store)
+    return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout, kv_store=store or kv_store_for(spec, kv))
 
 
 def open_engine(model: ResolvedModel, **kwargs) -> Engine:

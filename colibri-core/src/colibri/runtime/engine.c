@@ -52,6 +52,7 @@ typedef struct {
     cb_procs procs;            /* penalties, bias, mask, logprobs (logits_procs.h) */
     cb_decide decide;          /* a decide request's marks and options (n_marks 0: a generation) */
     char *kv_save;             /* where to save the slot's state when the sequence ends ("kv_save"), or NULL */
+    char kv_identity[CB_KV_IDENTITY_LEN + 1];   /* the request's "kv_identity", written into the saved file */
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
@@ -78,7 +79,6 @@ typedef struct {
     size_t in_len, in_cap;
     int in_eof, discarding, shutdown;
     uint64_t prefilled_total, generated_total;
-    const char *kv_identity;   /* --kv-identity: the model identity saved KV files must carry */
 } engine_t;
 
 /* ---- small helpers ---- */
@@ -246,8 +246,8 @@ static void seq_clear(slot_t *s) {
     s->phase = SEQ_IDLE;
 }
 
-static cb_kv_geometry kv_geometry(const engine_t *E) {
-    cb_kv_geometry g = {E->fam->name, E->kv_identity, E->info.n_layers, E->info.kv_dim, E->info.kv_k_only, E->ctx,
+static cb_kv_geometry kv_geometry(const engine_t *E, const char *identity) {
+    cb_kv_geometry g = {E->fam->name, identity, E->info.n_layers, E->info.kv_dim, E->info.kv_k_only, E->ctx,
                         E->info.state_bytes};
     return g;
 }
@@ -258,7 +258,7 @@ static cb_kv_geometry kv_geometry(const engine_t *E) {
 static void save_slot(engine_t *E, slot_t *s, cb_buf *b) {
     if (!s->kv_save || s->n_tokens < 1) return;
     char err[ERRLEN];
-    cb_kv_geometry g = kv_geometry(E);
+    cb_kv_geometry g = kv_geometry(E, s->kv_identity);
     size_t bytes = cb_kv_file_save(s->kv_save, &g, &s->kv, s->tokens, s->n_tokens, s->snap, s->snap_pos, err,
                                    sizeof err);
     if (bytes) {
@@ -273,9 +273,9 @@ static void save_slot(engine_t *E, slot_t *s, cb_buf *b) {
 /* "kv_load": take the slot's prefix from a saved file when it beats what the slot holds. Returns the tokens now
  * reusable (at least `reuse`, the in-memory answer); on any failure the slot's prefix is forgotten (0) and `warn`
  * says why. The recurrent state restores only at the saved length or at the saved checkpoint, never in between. */
-static int load_slot(engine_t *E, slot_t *s, const char *path, const int *prompt, int keep, int reuse, int *loaded,
-                     char *warn) {
-    cb_kv_geometry g = kv_geometry(E);
+static int load_slot(engine_t *E, slot_t *s, const char *path, const char *identity, const int *prompt, int keep,
+                     int reuse, int *loaded, char *warn) {
+    cb_kv_geometry g = kv_geometry(E, identity);
     cb_kv_file f;
     *loaded = 0;
     if (cb_kv_file_open(&f, path, &g, warn, ERRLEN)) return reuse;
@@ -569,10 +569,17 @@ static void do_submit(engine_t *E, cb_json *req) {
         return;
     }
     const char *kv_load, *kv_save;
+    cb_json *kv_id = cb_json_get(req, "kv_identity");
     if (path_field(req, "kv_load", &kv_load, err) || path_field(req, "kv_save", &kv_save, err)) {
         emit_error(E, 1, id, "bad_request", err);
         return;
     }
+    if (kv_id && kv_id->type != CB_JNULL && (kv_id->type != CB_JSTR || strlen(kv_id->str) > CB_KV_IDENTITY_LEN)) {
+        snprintf(err, ERRLEN, "field \"kv_identity\" must be a string of at most %d bytes", CB_KV_IDENTITY_LEN);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    const char *identity = kv_id && kv_id->type == CB_JSTR ? kv_id->str : "";
     if (find_seq(E, id)) {
         emit_error(E, 1, id, "bad_request", "a sequence with this id is already running");
         return;
@@ -648,7 +655,7 @@ static void do_submit(engine_t *E, cb_json *req) {
     char kv_warn[ERRLEN];
     kv_warn[0] = 0;
     if (kv_load) {
-        reuse = load_slot(E, s, kv_load, prompt, keep, reuse, &loaded, kv_warn);
+        reuse = load_slot(E, s, kv_load, identity, prompt, keep, reuse, &loaded, kv_warn);
         if (kv_warn[0]) fprintf(stderr, "warning: %s; prefilling instead\n", kv_warn);
     }
     if (s->kv.state && reuse == 0) memset(s->kv.state, 0, E->info.state_bytes);
@@ -679,6 +686,7 @@ static void do_submit(engine_t *E, cb_json *req) {
     s->procs = procs;
     s->sampler.min_p = procs.min_p;
     s->kv_save = kv_save ? strdup(kv_save) : NULL;   /* a failed copy only skips the save */
+    snprintf(s->kv_identity, sizeof s->kv_identity, "%s", identity);
     s->phase = SEQ_PREFILL;
     cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d",
                   (long long)id, (long long)slot_no, n_prompt, reuse);
@@ -849,7 +857,6 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
     E->threads = 0;
     E->prefill_chunk = DEFAULT_PREFILL_CHUNK;
     E->stream = cb_stream_defaults();
-    E->kv_identity = "";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
@@ -869,13 +876,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
         else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
-        else if (!strcmp(a, "--kv-identity")) {
-            if (!v || strlen(v) > CB_KV_IDENTITY_LEN) {
-                snprintf(err, ERRLEN, "--kv-identity needs a string of at most %d bytes", CB_KV_IDENTITY_LEN);
-                return -1;
-            }
-            E->kv_identity = v;
-        } else if (!strcmp(a, "--hotset")) {
+        else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
             E->stream.hotset_path = v;
         } else if (!strcmp(a, "--io")) {
@@ -910,7 +911,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
                                   "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
-                                  "--hotset, --experts-k, --experts-top-p, --kv-identity)", a);
+                                  "--hotset, --experts-k, --experts-top-p)", a);
             return -1;
         }
         if (rc) return -1;
