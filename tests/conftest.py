@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from colibri import plugins
+from colibri.testing.kv_dir import private_kv_dir  # noqa: F401  (each module its own COLIBRI_KV_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +24,3 @@ def installed_families(monkeypatch):
     plugins.reset()
     yield
     plugins.reset()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_kv_dir(tmp_path_factory):
-    """Each module saves conversation KV (on by default in coli chat and serve) in its own directory, so no test
-    loads what another module's requests saved (that would change their reuse counts, never their tokens)."""
-    before = os.environ.get("COLIBRI_KV_DIR")
-    os.environ["COLIBRI_KV_DIR"] = str(tmp_path_factory.mktemp("kv"))
-    yield
-    if before is None:
-        os.environ.pop("COLIBRI_KV_DIR", None)
-    else:
-        os.environ["COLIBRI_KV_DIR"] = before

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from colibri import hookimpl, plugins
+from colibri.testing.kv_dir import private_kv_dir  # noqa: F401  (each module its own COLIBRI_KV_DIR)
 from colibri.records import Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, TensorLayout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,16 +192,3 @@ class Surgery:
 @pytest.fixture
 def surgery() -> type[Surgery]:
     return Surgery
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_kv_dir(tmp_path_factory):
-    """Each module saves conversation KV (on by default in coli chat and serve) in its own directory, so no test
-    loads what another module's requests saved (that would change their reuse counts, never their tokens)."""
-    before = os.environ.get("COLIBRI_KV_DIR")
-    os.environ["COLIBRI_KV_DIR"] = str(tmp_path_factory.mktemp("kv"))
-    yield
-    if before is None:
-        os.environ.pop("COLIBRI_KV_DIR", None)
-    else:
-        os.environ["COLIBRI_KV_DIR"] = before
