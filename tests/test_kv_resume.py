@@ -191,3 +191,7 @@ def test_store_prefers_what_the_engine_can_use(tmp_path):
     assert plan is not None and plan.load == store.directory / "b.kv" and plan.load_covers == 4
     plan = store.plan([1, 2, 9])          # "a" only at its checkpoint (3) is past what is shared
     assert plan is not None and plan.load is None
+    plan = store.plan([1, 2, 3, 4, 5, 9, 9], ctx=5)      # the engine would refuse files past its context
+    assert plan is not None and plan.load == store.directory / "b.kv"
+    plan = store.plan([1, 2, 3, 4, 5, 9, 9], ctx=3)
+    assert plan is not None and plan.load is None

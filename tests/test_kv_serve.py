@@ -133,3 +133,16 @@ def test_chat_resume_and_kv_list_clear(model_dir, tmp_path):
     assert gone.exit_code == 0 and "cleared 1 model(s)" in gone.stdout
     empty = runner.invoke(app, ["kv", "list", "--kv-dir", str(tmp_path / "kv")])
     assert "no saved KV" in empty.stdout
+
+
+def test_run_opts_in_and_reuses_its_own_prompt(model_dir, tmp_path):
+    args = ["run", "Tell me about rivers.", "--model", str(model_dir), "--temp", "0", "-n", "5", *FLAGS, "--json"]
+    runner = CliRunner()
+    plain = runner.invoke(app, args, catch_exceptions=False)
+    assert plain.exit_code == 0, plain.output
+    assert json.loads(plain.stdout)["kv_loaded_tokens"] == 0     # off by default for run
+    first = json.loads(runner.invoke(app, [*args, "--kv-dir", str(tmp_path)], catch_exceptions=False).stdout)
+    again = json.loads(runner.invoke(app, [*args, "--kv-dir", str(tmp_path)], catch_exceptions=False).stdout)
+    assert first["kv_loaded_tokens"] == 0 and again["kv_loaded_tokens"] == len(again["prompt_ids"]) - 1
+    assert again["stats"]["prefilled_tokens"] == 1
+    assert again["generated_ids"] == first["generated_ids"] == json.loads(plain.stdout)["generated_ids"]

@@ -109,6 +109,8 @@ class Request:
                 self.logits.append(logits_row(item).tolist() if "f32" in item else [float(v) for v in item["values"]])
             elif ev == "accept":
                 self.accept = item
+                if self.kv_plan is not None and self.engine.kv_store is not None and "kv_warning" in item:
+                    self.engine.kv_store.warn(str(item["kv_warning"]))
             elif ev == "decision":
                 self.scores = [[float("nan") if v is None else float(v) for v in row] for row in item["scores"]]
             elif ev == "done":
@@ -251,8 +253,8 @@ class Engine:
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` as [id, bias] pairs,
         ``logprobs``, ``constrained``, ``dist``, ``kv_load``, ``kv_save``); None values are left out."""
         rid = next(self._ids)
-        plan = (self.kv_store.plan(prompt) if self.kv_store is not None and "kv_save" not in processors and
-                "kv_files" in self.ready.get("abilities", ()) else None)
+        plan = (self.kv_store.plan(prompt, int(self.ready.get("ctx") or 0)) if self.kv_store is not None and
+                "kv_save" not in processors and "kv_files" in self.ready.get("abilities", ()) else None)
         req = Request(self, rid, slot, plan)
         msg: dict[str, Any] = {
             "op": "submit", "id": rid, "slot": int(slot), "prompt": [int(t) for t in prompt],

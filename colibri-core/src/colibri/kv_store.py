@@ -201,9 +201,10 @@ class KVStore:
                                saved.state_bytes, saved.size, saved.mtime, tokens))
         return found
 
-    def plan(self, prompt: Sequence[int]) -> KVPlan | None:
-        """The best file for ``prompt`` (the most tokens the engine can take from it, the whole file preferred)
-        and the save path; None when the directory cannot be made (a warning: the turn runs without saving)."""
+    def plan(self, prompt: Sequence[int], ctx: int = 0) -> KVPlan | None:
+        """The best file for ``prompt`` (the most tokens the engine can take from it, the whole file preferred;
+        none longer than the engine's ``ctx``, which it would refuse) and the save path; None when the directory
+        cannot be made (a warning: the turn runs without saving)."""
         with self._lock:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -213,6 +214,8 @@ class KVStore:
             best: Saved | None = None
             best_key = (0, False)
             for saved in self._scan():
+                if ctx and saved.n_tokens > ctx:
+                    continue
                 usable = usable_tokens(saved, prompt)
                 key = (usable, usable == saved.n_tokens)
                 if usable > 0 and key > best_key:
@@ -222,6 +225,10 @@ class KVStore:
             material = self.identity.encode() + struct.pack(f"<{len(prompt)}i", *prompt)
             save = self.directory / (hashlib.sha256(material).hexdigest()[:32] + SUFFIX)
             return KVPlan(best.path if best else None, best_key[0], best.n_tokens if best else 0, save, self.identity)
+
+    def warn(self, message: str) -> None:
+        """A file the engine refused (it prefilled instead): one log line, never an error."""
+        log.warning("%s; prefilled instead", message)
 
     def settle(self, plan: KVPlan, done: Mapping[str, Any]) -> None:
         """After a sequence's ``done``: drop the file the new save supersedes, then hold the budget."""
