@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from colibri import plugins
+from colibri.testing.kv_dir import private_kv_dir  # noqa: F401  (each module its own COLIBRI_KV_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from colibri import hookimpl, plugins
+from colibri.testing.kv_dir import private_kv_dir  # noqa: F401  (each module its own COLIBRI_KV_DIR)
 from colibri.records import Claim, ExpertTensors, FamilyDescriptor, Geometry, Limits, TensorLayout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

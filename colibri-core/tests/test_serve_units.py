@@ -164,9 +164,12 @@ def test_parsers_flatten_and_default():
 
 def test_cli_helpers():
     assert parse_size("1MiB") == 1024 * 1024 and parse_size("512k") == 512 * 1024 and parse_size("2048") == 2048
-    for bad in ("", "-1", "1GiB", "lots"):
+    assert parse_size("8G", "--kv-disk-budget") == 8 * 1024 ** 3 and parse_size("1.5GiB") == 3 * 1024 ** 3 // 2
+    for bad in ("", "-1", "1TiB", "lots"):
         with pytest.raises(UsageError):
             parse_size(bad)
+    with pytest.raises(UsageError, match="--kv-disk-budget"):
+        parse_size("much", "--kv-disk-budget")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.8.0.1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("myhost")
     check_bind("127.0.0.1", None)

@@ -131,12 +131,47 @@ def run(model_dir: Path) -> None:
         s.send({"op": "decide", "id": 9, "slot": 0, "prompt": prompt, **bad})
         e = s.event()
         check(e["ev"] == "error" and e["code"] == "bad_request", f"bad decide {bad}: {e}")
+    saved_kv(s, prompt, vocab, model_dir.parent)
     s.send({"op": "stats"})
     stats = s.until("stats")[-1]
     check(all(m > 0 for m in stats["misses"]), f"misses in every MoE layer at cap 1: {stats}")
     s.send({"op": "shutdown"})
     rc = s.proc.wait(timeout=300)
     check(rc == 0, f"exit code {rc}")
+
+
+def saved_kv(s: Session, prompt: list[int], vocab: int, tmp: Path) -> None:
+    """kv_save / kv_load (docs/protocol.md "Saved KV"): slot 0 saved, forgotten, restored from the file; the
+    continuation equals a full prefill on slot 1; a damaged file is refused with a warning; bad paths refused."""
+    path = tmp / "slot.kv"
+    s.send({"op": "reset", "slot": 0})
+    s.send({"op": "submit", "id": 20, "slot": 0, "prompt": prompt[:30], "max_tokens": 4, "kv_save": str(path)})
+    events = s.until("done", 20)
+    saved = events[-1].get("kv_saved_tokens")
+    check(saved == 33 and path.stat().st_size == events[-1]["kv_saved_bytes"], f"kv_save: {events[-1]}")
+    follow = prompt[:30] + [e["tok"] for e in events if e["ev"] == "token"] + [9, 10]
+    s.send({"op": "reset", "slot": 0})
+    s.send({"op": "submit", "id": 21, "slot": 0, "prompt": follow, "max_tokens": 4, "kv_load": str(path)})
+    loaded = s.until("done", 21)
+    check(loaded[0].get("kv_loaded") == 33 and loaded[-1]["prefilled_tokens"] == len(follow) - 33,
+          f"kv_load: {loaded[0]}")
+    s.send({"op": "reset", "slot": 1})
+    s.send({"op": "submit", "id": 22, "slot": 1, "prompt": follow, "max_tokens": 4})
+    fresh = s.until("done", 22)
+    tokens = [[e["tok"] for e in run if e["ev"] == "token"] for run in (loaded, fresh)]
+    check(tokens[0] == tokens[1], f"a loaded prefix continues as a full prefill does: {tokens}")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 4
+    path.write_bytes(bytes(data))
+    s.send({"op": "reset", "slot": 0})
+    s.send({"op": "submit", "id": 23, "slot": 0, "prompt": follow, "max_tokens": 4, "kv_load": str(path)})
+    damaged = s.until("done", 23)
+    check(damaged[0].get("kv_loaded") == 0 and "checksum" in damaged[0].get("kv_warning", "") and
+          [e["tok"] for e in damaged if e["ev"] == "token"] == tokens[1], f"a corrupt file is refused: {damaged[0]}")
+    for bad in ({"kv_load": 3}, {"kv_save": ""}, {"kv_load": "x" * 5000}, {"kv_identity": "x" * 65}):
+        s.send({"op": "submit", "id": 24, "slot": 0, "prompt": prompt[:3], **bad})
+        e = s.event()
+        check(e["ev"] == "error" and e["code"] == "bad_request", f"bad kv field {bad}: {e}")
 
 
 def main() -> int:

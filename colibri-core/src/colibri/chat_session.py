@@ -7,7 +7,10 @@ When the history outgrows the context, the oldest exchanges are dropped (the sys
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .engine import Engine
@@ -44,6 +47,7 @@ class ChatSession:
     dropped_messages: int = 0
     max_ctx: int | None = None          # the most the model's context holds, for hints
     parser: Callable[[], Any] | None = None   # the family's parse_output: a reply's reasoning is shown apart
+    transcript: Path | None = None      # where the conversation is kept after each turn (coli chat --resume)
 
     def __post_init__(self) -> None:
         self.reset_history()
@@ -103,6 +107,8 @@ class ChatSession:
         view.finish()
         candidate.append({"role": "assistant", "content": reply.text})
         self.messages = candidate
+        if self.transcript is not None:
+            save_transcript(self.transcript, self.messages)
         s = reply.stats
         self.turns.append(TurnStats(prompt_tokens=len(ids), reused_tokens=int(reply.accept.get("reused_tokens", 0)),
                                     prefilled_tokens=int(s.get("prefilled_tokens", len(ids))),
@@ -122,3 +128,28 @@ def sum_turns(turns: list[TurnStats]) -> TurnStats:
         total.prefilled_tokens += t.prefilled_tokens
         total.generated_tokens += t.generated_tokens
     return total
+
+
+def save_transcript(path: Path, messages: list[dict[str, str]]) -> None:
+    """The conversation so far, atomically (a crash mid-write keeps the previous turn's)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        tmp.write_text(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass   # only --resume needs it, and it says so when the file is missing
+
+
+def load_transcript(path: Path) -> list[dict[str, str]] | None:
+    """The messages :func:`save_transcript` kept, or None when there are none (or the file is not one)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in messages] or None

@@ -75,8 +75,9 @@ class Request:
     ``tokens``, ``logits``, ``accept`` and ``stats`` (the ``done`` event) fill in as events are consumed.
     """
 
-    def __init__(self, engine: "Engine", rid: int, slot: int):
+    def __init__(self, engine: "Engine", rid: int, slot: int, kv_plan: Any = None):
         self.engine = engine
+        self.kv_plan = kv_plan                 # kv_store.KVPlan of a submit that saves its slot
         self.id = rid
         self.slot = slot
         self.tokens: list[int] = []
@@ -104,11 +105,15 @@ class Request:
                 self.logits.append(logits_row(item).tolist() if "f32" in item else [float(v) for v in item["values"]])
             elif ev == "accept":
                 self.accept = item
+                if self.kv_plan is not None and self.engine.kv_store is not None and "kv_warning" in item:
+                    self.engine.kv_store.warn(str(item["kv_warning"]))
             elif ev == "decision":
                 self.scores = [[float("nan") if v is None else float(v) for v in row] for row in item["scores"]]
             elif ev == "done":
                 self.stats = item
                 self.finished = True
+                if self.kv_plan is not None and self.engine.kv_store is not None:
+                    self.engine.kv_store.settle(self.kv_plan, item)
             elif ev == "error":
                 self.finished = True
                 raise EngineRequestError(str(item.get("code", "internal")), str(item.get("message", "")))
@@ -137,8 +142,11 @@ class Engine:
     """A running engine process. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 ready_timeout: float = DEFAULT_READY_TIMEOUT):
+                 ready_timeout: float = DEFAULT_READY_TIMEOUT, kv_store: Any = None):
+        """``kv_store``: a :class:`colibri.kv_store.KVStore`: when the engine announces the ``kv_files`` ability,
+        every submit then loads the best saved prefix and saves its slot when it ends."""
         self.argv = [str(a) for a in argv]
+        self.kv_store = kv_store
         self.ready: dict[str, Any] = {}
         self._pending: dict[int, Request] = {}
         self._control: "queue.Queue[dict | Death]" = queue.Queue()
@@ -247,9 +255,11 @@ class Engine:
 
         ``processors``: the submit's other fields as docs/protocol.md names them (``min_p``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` as [id, bias] pairs,
-        ``logprobs``, ``constrained``, ``dist``); None values are left out."""
+        ``logprobs``, ``constrained``, ``dist``, ``kv_load``, ``kv_save``); None values are left out."""
         rid = next(self._ids)
-        req = Request(self, rid, slot)
+        plan = (self.kv_store.plan(prompt, int(self.ready.get("ctx") or 0)) if self.kv_store is not None and
+                "kv_save" not in processors and "kv_files" in self.ready.get("abilities", ()) else None)
+        req = Request(self, rid, slot, plan)
         msg: dict[str, Any] = {
             "op": "submit", "id": rid, "slot": int(slot), "prompt": [int(t) for t in prompt],
             "max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p),
@@ -259,6 +269,8 @@ class Engine:
             msg["logits"] = "f32" if logits == "f32" else True
         if forced is not None:
             msg["forced"] = [int(t) for t in forced]
+        if plan is not None:
+            msg.update(plan.fields())
         msg.update({k: v for k, v in processors.items() if v is not None})
         self._register(req)
         self._send(msg)

@@ -14,6 +14,7 @@ from . import builder, hooks
 from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, load_facts
+from .kv_store import DEFAULT_BUDGET_BYTES as DEFAULT_KV_BUDGET
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 from .validation import require_sound_tensors
@@ -255,8 +256,33 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
 
 
-def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> Engine:
-    return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
+@dataclass(frozen=True)
+class KVOptions:
+    """Saved conversation KV (colibri/kv_store.py): ``directory`` None means the cache's kv/ directory."""
+
+    enabled: bool = True
+    directory: str | None = None
+    budget: int = DEFAULT_KV_BUDGET
+
+
+def kv_store_for(spec: LaunchSpec, kv: KVOptions):
+    """The store of ``spec``'s model under ``kv`` (its identity: family, weights, hyperparameters)."""
+    from .kv_store import KVStore, hyperparameter_args, kv_root, model_identity
+
+    model = spec.facts.model
+    identity = model_identity(model.path, model.family, hyperparameter_args(spec.argv))
+    store = KVStore(kv_root(kv.directory), identity, kv.budget)
+    store.describe(model.path, model.family)
+    return store
+
+
+def start(spec: LaunchSpec, ready_timeout: float = DEFAULT_READY_TIMEOUT, kv: KVOptions | None = None,
+          store=None) -> Engine:
+    """Start the engine of ``spec``; with ``kv`` enabled, its slots are saved and restored (kv_store.py) in
+    ``store`` (default: :func:`kv_store_for`)."""
+    if kv is None or not kv.enabled:
+        return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout)
+    return Engine(spec.argv, env=spec.env, ready_timeout=ready_timeout, kv_store=store or kv_store_for(spec, kv))
 
 
 def open_engine(model: ResolvedModel, **kwargs) -> Engine:

@@ -15,8 +15,8 @@ from ..server.config import API_KEY_ENV
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
-                      streaming_options)
+                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
+                      PreloadOption, kv_options, streaming_options)
 
 DEFAULT_MAX_TOKENS = 1024
 COMMANDS = "/reset (new conversation), /stats (token reuse and speed), /help, /exit"
@@ -120,6 +120,11 @@ def chat_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
                                          "that has the switch (Qwen3); default: the template's own."),
+    resume: bool = typer.Option(False, "--resume", help="Continue this model's last conversation (kept after each "
+                                "turn); its saved KV is loaded, so only the new message is prefilled."),
+    kv: Optional[bool] = KvOption,
+    kv_dir: Optional[str] = KvDirOption,
+    kv_disk_budget: str = KvBudgetOption,
 ) -> None:
     """Chat with a model: the engine loads once; each turn reuses the cached prefix of the conversation (with
     --attach: the same, driving a running coli serve)."""
@@ -166,15 +171,38 @@ def chat_command(
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
                                                       preload))
-    with launch.start(spec) as engine:
+    kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)
+    store = launch.kv_store_for(spec, kv_opts)
+    transcript = store.directory / TRANSCRIPT
+    with launch.start(spec, kv=kv_opts, store=store) as engine:
         session = ChatSession(engine, tok, sampling, max_tokens, spec.ctx, system, template_kwargs,
-                              max_ctx=launch.max_ctx(spec.facts), parser=lambda: hooks.parse_output(resolved))
+                              max_ctx=launch.max_ctx(spec.facts), parser=lambda: hooks.parse_output(resolved),
+                              transcript=transcript)
         if session.notice:
             print_warning(session.notice)
+        if resume:
+            resume_session(session, transcript, interactive)
         if interactive:
             sys.stderr.write(f"{resolved.path.name} ({resolved.family}) ready. {HELP_TEXT}\n")
         converse(session, source, interactive, engine.stats, lambda _exc: not engine.alive,
                  lambda text: session.turn(text, _write))
+
+
+TRANSCRIPT = "chat.json"    # the model's last `coli chat` conversation, in its kv directory
+
+
+def resume_session(session, transcript, interactive: bool) -> None:
+    """``--resume``: the kept conversation becomes the history (a warning when there is none)."""
+    from ..chat_session import load_transcript
+
+    messages = load_transcript(transcript)
+    if messages is None:
+        print_warning(f"--resume: no conversation kept in {transcript}; starting a new one")
+        return
+    session.messages = messages
+    if interactive:
+        turns = sum(1 for m in messages if m["role"] == "user")
+        sys.stderr.write(f"resumed a conversation of {turns} message(s)\n")
 
 
 def attached(address: str, api_key: str | None, sampling: dict[str, Any], max_tokens: int, system: str | None,

@@ -58,3 +58,28 @@ def streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead=Fal
 
     return Streaming(prefetch=prefetch, pin=pin, io=io, experts_k=experts_k, experts_top_p=experts_top_p,
                      lookahead=lookahead, preload=preload)
+
+# Saved conversation KV (colibri/kv_store.py, docs/server.md "Conversations that survive restarts").
+KvOption = typer.Option(
+    None, "--kv/--no-kv",
+    help="Save each conversation's KV to disk at the end of a turn and load it when a later prompt extends it "
+         "(default: on for chat and serve, off for run).",
+)
+KvDirOption = typer.Option(
+    None, "--kv-dir", metavar="DIR",
+    help="Where saved KV lives, one subdirectory per model (default: $COLIBRI_KV_DIR, else $COLIBRI_CACHE/kv, "
+         "else $XDG_CACHE_HOME/colibri/kv); implies --kv.",
+)
+KvBudgetOption = typer.Option(
+    "8G", "--kv-disk-budget", metavar="SIZE",
+    help="Disk space for one model's saved KV; the least recently used files go first (e.g. 8G, 500M).",
+)
+
+
+def kv_options(kv: bool | None, kv_dir: str | None, budget: str, default: bool):
+    """The KVOptions record of the flags above (``default``: whether saving is on when --kv is not given)."""
+    from ..launch import KVOptions
+    from .serve import parse_size
+
+    enabled = (default or kv_dir is not None) if kv is None else kv
+    return KVOptions(enabled=enabled, directory=kv_dir, budget=parse_size(budget, "--kv-disk-budget"))

@@ -13,8 +13,8 @@ from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
-                      streaming_options)
+                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
+                      PreloadOption, kv_options, streaming_options)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -99,6 +99,9 @@ def run_command(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain the reply to "
                                                "JSON valid against this JSON schema file (needs llguidance)."),
     as_json: bool = JsonOption,
+    kv: Optional[bool] = KvOption,
+    kv_dir: Optional[str] = KvDirOption,
+    kv_disk_budget: str = KvBudgetOption,
     **family_options: Any,
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS.
@@ -145,7 +148,7 @@ def run_command(
     grammar = schema_file_grammar(resolved, built.text, json_schema) if json_schema is not None else None
     out = _Output()
     view = ReasoningView(hooks.parse_output(resolved) if built.mode == "chat" else None, built.text, out.write)
-    with launch.start(spec) as engine:
+    with launch.start(spec, kv=kv_options(kv, kv_dir, kv_disk_budget, default=False)) as engine:
         constraint = None
         if grammar is not None:
             constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
@@ -160,6 +163,7 @@ def run_command(
                    "prompt_ids": built.ids, "generated_ids": reply.tokens, "text": reply.text,
                    "sampling": sampling.as_request(), "ctx": spec.ctx, "cap": spec.cap,
                    "ram_bytes": spec.plan.ram_bytes, "reused_tokens": reply.accept.get("reused_tokens", 0),
+                   "kv_loaded_tokens": reply.accept.get("kv_loaded", 0),
                    "stats": stats})
     else:
         out.end_line()

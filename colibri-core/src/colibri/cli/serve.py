@@ -31,14 +31,15 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
-                      streaming_options)
+                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
+                      PreloadOption, kv_options, streaming_options)
 
-_SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2}
+_SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+                  "g": 1024 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
 
 
-def parse_size(text: str) -> int:
-    """``--max-body``: bytes, or with a K/M/KiB/MiB suffix."""
+def parse_size(text: str, flag: str = "--max-body") -> int:
+    """``--max-body``, ``--kv-disk-budget``: bytes, or with a K/M/G/KiB/MiB/GiB suffix."""
     raw = text.strip().lower()
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     suffix = raw[len(number):]
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if suffix not in _SIZE_SUFFIXES or value <= 0:
-        raise UsageError(f"--max-body {text!r}: not a size", "give bytes or a size such as 1MiB or 512K")
+        raise UsageError(f"{flag} {text!r}: not a size", "give bytes or a size such as 1MiB, 512K or 8G")
     return int(value * _SIZE_SUFFIXES[suffix])
 
 
@@ -160,6 +161,9 @@ def serve_command(
         None, "--replica-resource", metavar="TAG",
         help="Place the replicas on nodes with this Ray resource (repeatable: replica i takes the i-th tag, in "
              "turn)."),
+    kv: bool | None = KvOption,
+    kv_dir: str | None = KvDirOption,
+    kv_disk_budget: str = KvBudgetOption,
 ) -> None:
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from .. import hooks
@@ -182,6 +186,7 @@ def serve_command(
     if queue_timeout <= 0:
         raise UsageError(f"--queue-timeout {queue_timeout:g}: must be a positive number of seconds")
     body_limit = parse_size(max_body)
+    kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)
     if body_limit < 1024:
         raise UsageError(f"--max-body {max_body}: must be at least 1 KiB")
     for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
@@ -219,7 +224,7 @@ def serve_command(
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
     if not bandwidth:
         bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
-    engine_factory, replica_count = (lambda: start(spec)), 0
+    engine_factory, replica_count = (lambda: start(spec, kv=kv_opts)), 0
     if on_cluster:
         engine_factory, replica_count = _replica_factory(spec, replicas, address, tuple(replica_resource or ()))
     sock = bind_socket(host, port)

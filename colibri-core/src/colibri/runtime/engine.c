@@ -19,6 +19,7 @@
 #include "decide.h"
 #include "json.h"
 #include "kernels.h"
+#include "kv_file.h"
 #include "logits_procs.h"
 #include "sampler.h"
 
@@ -28,6 +29,7 @@
 #define DEFAULT_PREFILL_CHUNK 32
 #define MAX_LINE ((size_t)16 << 20)
 #define ERRLEN 512
+#define KV_PATH_MAX 4096
 
 /* SEQ_AWAIT_MASK: constrained decoding; the step's logits are held until the caller's "mask" arrives. */
 typedef enum { SEQ_IDLE = 0, SEQ_PREFILL, SEQ_DECODE, SEQ_AWAIT_MASK } seq_phase;
@@ -49,6 +51,8 @@ typedef struct {
     cb_sampler sampler;
     cb_procs procs;            /* penalties, bias, mask, logprobs (logits_procs.h) */
     cb_decide decide;          /* a decide request's marks and options (n_marks 0: a generation) */
+    char *kv_save;             /* where to save the slot's state when the sequence ends ("kv_save"), or NULL */
+    char kv_identity[CB_KV_IDENTITY_LEN + 1];   /* the request's "kv_identity", written into the saved file */
     double prefill_s, decode_s;
     int decode_steps;
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
@@ -234,10 +238,74 @@ static void seq_clear(slot_t *s) {
     free(s->prompt);
     free(s->stop);
     free(s->forced);
+    free(s->kv_save);
+    s->kv_save = NULL;
     s->prompt = s->stop = s->forced = NULL;
     cb_procs_free(&s->procs);
     cb_decide_free(&s->decide);
     s->phase = SEQ_IDLE;
+}
+
+static cb_kv_geometry kv_geometry(const engine_t *E, const char *identity) {
+    cb_kv_geometry g = {E->fam->name, identity, E->info.n_layers, E->info.kv_dim, E->info.kv_k_only, E->ctx,
+                        E->info.state_bytes};
+    return g;
+}
+
+/* The end of a sequence saves the slot when asked: every fed token (the last sampled one is not fed yet), the
+ * state at exactly that length, and the end-of-prompt checkpoint. A failed save is a warning in done, never an
+ * error: the answer is already out. */
+static void save_slot(engine_t *E, slot_t *s, cb_buf *b) {
+    if (!s->kv_save || s->n_tokens < 1) return;
+    char err[ERRLEN];
+    cb_kv_geometry g = kv_geometry(E, s->kv_identity);
+    size_t bytes = cb_kv_file_save(s->kv_save, &g, &s->kv, s->tokens, s->n_tokens, s->snap, s->snap_pos, err,
+                                   sizeof err);
+    if (bytes) {
+        cb_buf_printf(b, ",\"kv_saved_tokens\":%d,\"kv_saved_bytes\":%zu", s->n_tokens, bytes);
+    } else {
+        fprintf(stderr, "warning: %s\n", err);
+        cb_buf_puts(b, ",\"kv_warning\":");
+        cb_buf_json_str(b, err);
+    }
+}
+
+/* "kv_load": take the slot's prefix from a saved file when it beats what the slot holds. Returns the tokens now
+ * reusable (at least `reuse`, the in-memory answer); on any failure the slot's prefix is forgotten (0) and `warn`
+ * says why. The recurrent state restores only at the saved length or at the saved checkpoint, never in between. */
+static int load_slot(engine_t *E, slot_t *s, const char *path, const char *identity, const int *prompt, int keep,
+                     int reuse, int *loaded, char *warn) {
+    cb_kv_geometry g = kv_geometry(E, identity);
+    cb_kv_file f;
+    *loaded = 0;
+    if (cb_kv_file_open(&f, path, &g, warn, ERRLEN)) return reuse;
+    int common = 0;
+    while (common < f.n_tokens && common < keep && f.tokens[common] == prompt[common]) common++;
+    int usable = common;
+    if (s->kv.state) usable = common == f.n_tokens ? common : f.snap_pos && f.snap_pos <= common ? f.snap_pos : 0;
+    if (usable <= reuse) {
+        cb_kv_file_close(&f);
+        return reuse;
+    }
+    if (cb_kv_file_read(&f, &g, &s->kv, s->kv.state, s->snap, warn, ERRLEN)) {
+        cb_kv_file_close(&f);
+        s->n_tokens = 0;
+        s->snap_pos = 0;
+        return 0;
+    }
+    memcpy(s->tokens, f.tokens, (size_t)f.n_tokens * sizeof(int));
+    s->n_tokens = f.n_tokens;
+    if (s->kv.state) {
+        if (usable == f.n_tokens) {
+            s->snap_pos = f.snap_pos;
+        } else {
+            memcpy(s->kv.state, s->snap, E->info.state_bytes);
+            s->snap_pos = usable;
+        }
+    }
+    cb_kv_file_close(&f);
+    *loaded = usable;
+    return usable;
 }
 
 static void finish(engine_t *E, slot_t *s, const char *reason) {
@@ -259,7 +327,9 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     cb_buf_printf(b, ",\"decode\":{\"steps\":%d", s->decode_steps);
     put_counters(b, &dc);
     put_profile(b, &dp, s->forward_s - s->prefill_forward_s);
-    cb_buf_printf(b, "},\"rss_bytes\":%zu}", cb_rss_bytes());
+    cb_buf_puts(b, "}");
+    save_slot(E, s, b);
+    cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
     emit(E);
     seq_clear(s);
 }
@@ -478,6 +548,20 @@ static int ids_field(cb_json *req, const char *key, int vocab, int **out, int *n
     return 0;
 }
 
+/* An optional file path field ("kv_load", "kv_save"): NULL when absent; borrowed from the request. */
+static int path_field(cb_json *req, const char *key, const char **out, char *err) {
+    cb_json *v = cb_json_get(req, key);
+    *out = NULL;
+    if (!v || v->type == CB_JNULL) return 0;
+    if (v->type != CB_JSTR || !v->str[0] || strlen(v->str) >= KV_PATH_MAX) {
+        snprintf(err, ERRLEN, "field \"%s\" must be a file path (a non-empty string under %d bytes)", key,
+                 KV_PATH_MAX);
+        return -1;
+    }
+    *out = v->str;
+    return 0;
+}
+
 static slot_t *find_seq(engine_t *E, int64_t id) {
     for (int i = 0; i < E->n_slots; i++)
         if (E->slots[i].phase != SEQ_IDLE && E->slots[i].id == id) return &E->slots[i];
@@ -507,6 +591,18 @@ static void do_submit(engine_t *E, cb_json *req) {
         emit_error(E, 1, id, "bad_request", "field \"logits\" must be a boolean or \"f32\"");
         return;
     }
+    const char *kv_load, *kv_save;
+    cb_json *kv_id = cb_json_get(req, "kv_identity");
+    if (path_field(req, "kv_load", &kv_load, err) || path_field(req, "kv_save", &kv_save, err)) {
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    if (kv_id && kv_id->type != CB_JNULL && (kv_id->type != CB_JSTR || strlen(kv_id->str) > CB_KV_IDENTITY_LEN)) {
+        snprintf(err, ERRLEN, "field \"kv_identity\" must be a string of at most %d bytes", CB_KV_IDENTITY_LEN);
+        emit_error(E, 1, id, "bad_request", err);
+        return;
+    }
+    const char *identity = kv_id && kv_id->type == CB_JSTR ? kv_id->str : "";
     if (find_seq(E, id)) {
         emit_error(E, 1, id, "bad_request", "a sequence with this id is already running");
         return;
@@ -578,6 +674,13 @@ static void do_submit(engine_t *E, cb_json *req) {
             reuse = 0;
         }
     }
+    int loaded = 0;
+    char kv_warn[ERRLEN];
+    kv_warn[0] = 0;
+    if (kv_load) {
+        reuse = load_slot(E, s, kv_load, identity, prompt, keep, reuse, &loaded, kv_warn);
+        if (kv_warn[0]) fprintf(stderr, "warning: %s; prefilling instead\n", kv_warn);
+    }
     if (s->kv.state && reuse == 0) memset(s->kv.state, 0, E->info.state_bytes);
     if (s->snap_pos > reuse) s->snap_pos = 0;    /* the tokens it covered are about to be overwritten */
     s->n_tokens = reuse;
@@ -605,9 +708,17 @@ static void do_submit(engine_t *E, cb_json *req) {
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
     s->procs = procs;
     s->sampler.min_p = procs.min_p;
+    s->kv_save = kv_save ? strdup(kv_save) : NULL;   /* a failed copy only skips the save */
+    snprintf(s->kv_identity, sizeof s->kv_identity, "%s", identity);
     s->phase = SEQ_PREFILL;
-    cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d}",
+    cb_buf_printf(&E->out, "{\"ev\":\"accept\",\"id\":%lld,\"slot\":%lld,\"prompt_tokens\":%d,\"reused_tokens\":%d",
                   (long long)id, (long long)slot_no, n_prompt, reuse);
+    if (kv_load) cb_buf_printf(&E->out, ",\"kv_loaded\":%d", loaded);
+    if (kv_warn[0]) {
+        cb_buf_puts(&E->out, ",\"kv_warning\":");
+        cb_buf_json_str(&E->out, kv_warn);
+    }
+    cb_buf_puts(&E->out, "}");
     emit(E);
 }
 
@@ -953,8 +1064,9 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
-    int decide_only = E.info.decide_only || !family->forward;   /* a head-only model, or an encoder */
-    cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\"]}");
+    /* a head-only model or an encoder only decides, and keeps no KV worth a file */
+    int decide_only = E.info.decide_only || !family->forward;
+    cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\",\"kv_files\"]}");
     emit(&E);
 
     rc = 0;
