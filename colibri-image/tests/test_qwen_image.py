@@ -55,7 +55,8 @@ def run_reference(pipe, req: Request):
         latents.append(kwargs["latents"][0].numpy().copy())
         return kwargs
 
-    out = pipe(req.prompt, negative_prompt=req.negative_prompt, true_cfg_scale=req.guidance, height=req.height,
+    out = pipe(req.prompt, negative_prompt=req.negative_prompt, height=req.height,
+               true_cfg_scale=Pipeline.DEFAULT_GUIDANCE if req.guidance is None else req.guidance,
                width=req.width, num_inference_steps=req.steps, generator=torch.Generator().manual_seed(req.seed),
                output_type="np", callback_on_step_end=keep)
     return latents, np.round(out.images[0] * 255).astype(np.uint8)

@@ -150,7 +150,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"
-ENGINE_PIPELINES = ("QwenImagePipeline",)
+ENGINE_PIPELINES = ("QwenImagePipeline", "QwenImage21Pipeline")
+ENGINE_SOURCES = ("image_ops.c", "qwen_image.c", "qwen_image21.c")
 
 
 def _pipeline_class(model: ResolvedModel | None) -> str | None:
@@ -166,7 +167,7 @@ def _pipeline_class(model: ResolvedModel | None) -> str | None:
 def engine_source(model: ResolvedModel | None) -> EngineSource | None:
     if _pipeline_class(model) not in ENGINE_PIPELINES:
         return None
-    return EngineSource("colibri-qwen-image", (ENGINE_DIR / "qwen_image.c",), runtime_api=1)
+    return EngineSource("colibri-qwen-image", tuple(ENGINE_DIR / name for name in ENGINE_SOURCES), runtime_api=1)
 
 
 @hookimpl
