@@ -104,3 +104,82 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, prompt, negative, g
     assert image.shape == ref_image.shape == (SIZE, SIZE, 4)
     diff = np.abs(image.astype(int) - ref_image.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+
+
+@pytest.mark.parametrize("negative", [None, "blurry"])
+def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
+    req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative,
+                  guidance=3.0 if negative else None)
+    ours = open_dir(tiny.path, engine, weights="int8").generate(req).astype(np.float64)
+    _, theirs = run_reference(reference, req)
+    mse = ((ours - theirs.astype(np.float64)) ** 2).mean()
+    psnr = 10 * np.log10(255.0 ** 2 / mse) if mse else float("inf")
+    print(f"Qwen-Image-2.1 int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
+    assert psnr > 35.0
+    assert not np.array_equal(ours, open_dir(tiny.path, engine).generate(req))   # int8 really ran
+
+
+def test_configured_sample_sigmas_set_the_schedule(tmp_path, engine):
+    grid = [1.0, 0.8, 0.55, 0.3]
+    tiny = tiny_model("qwen-image-21", tmp_path / "sigmas", sample_sigmas=grid)
+    pipe = open_dir(tiny.path, engine)
+    assert pipe.resolve(Request("x")).steps == len(grid)
+    req = Request("a red fox", width=SIZE, height=SIZE, seed=2)
+    trace = Trace()
+    pipe.generate(req, trace)
+    ref_latents, _ = run_reference(load_reference(tiny.path), Request("a red fox", SIZE, SIZE, None, seed=2))
+    assert len(trace.latents) == len(ref_latents) == len(grid)
+    for ours, theirs in zip(trace.latents, ref_latents):
+        assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
+def test_missing_processor_and_unknown_class(tiny, engine, tmp_path):
+    copy = tmp_path / "pipe"
+    shutil.copytree(tiny.path, copy)
+    shutil.rmtree(copy / "processor")
+    with pytest.raises(ConfigError, match=r"processor: component folder missing"):
+        open_dir(copy, engine)
+    index = json.loads((copy / "model_index.json").read_text())
+    index["_class_name"] = "QwenImage22Pipeline"
+    (copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="'QwenImage22Pipeline' is not supported; colibri-image runs "
+                                          "QwenImagePipeline, QwenImage21Pipeline"):
+        open_dir(copy, engine)
+
+
+def test_coli_run_writes_an_rgba_png(tiny, engine, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    out = tmp_path / "fox.png"
+    done = subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", "run", "--model",
+                           str(tiny.path), "a red fox", "--out", str(out), "--size", "64x32", "--steps", "3",
+                           "--seed", "9", "--weights", "f32"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "3/3" in done.stderr and "s/step" in done.stderr and "peak RSS" in done.stderr
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.mode == "RGBA" and image.size == (64, 32)
+        pixels = np.asarray(image)
+    assert np.array_equal(pixels, open_dir(tiny.path, engine).generate(Request("a red fox", 64, 32, 3, seed=9)))
+    assert [p.name for p in tmp_path.iterdir()] == ["fox.png"]
+
+
+def test_engine_out_of_memory_is_one_clean_error(tiny, engine):
+    """An allocation that fails inside a stage returns to the engine's main (no exit() deep in a block): exit
+    status 1, one 'error: out of memory' line, which the pipeline reports as one line."""
+    import resource
+    import struct
+    import subprocess
+
+    pipe = open_dir(tiny.path, engine)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    proc = subprocess.run([str(engine), "dit21", str(tiny.path / "transformer"), *pipe.dit_args()],
+                          input=struct.pack("<iii", 1024, 1024, 1) + struct.pack("<i", 1) + bytes(4 * 32),
+                          capture_output=True, preexec_fn=cap, timeout=60)
+    lines = [ln for ln in proc.stderr.decode().splitlines() if ln.strip() and ln != "ready"]
+    assert proc.returncode == 1 and lines[-1].startswith("error: out of memory allocating "), proc.stderr
