@@ -183,3 +183,19 @@ def test_engine_out_of_memory_is_one_clean_error(tiny, engine):
                           capture_output=True, preexec_fn=cap, timeout=60)
     lines = [ln for ln in proc.stderr.decode().splitlines() if ln.strip() and ln != "ready"]
     assert proc.returncode == 1 and lines[-1].startswith("error: out of memory allocating "), proc.stderr
+
+
+def test_doctor_and_plan_understand_the_21_layout(tiny, engine):
+    import subprocess
+    import sys
+
+    coli = [sys.executable, "-c", "from colibri.cli import main; main()"]
+    done = subprocess.run([*coli, "doctor", "--model", str(tiny.path), "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    assert "tokenizer.json" in checks["tokenizer"]["detail"]   # found in processor/
+    plan = json.loads(subprocess.run([*coli, "plan", "--model", str(tiny.path), "--ram", "1", "--json"],
+                                     capture_output=True, text=True, timeout=120).stdout)
+    assert set(dict(plan["stages"])) == {"text_encoder", "transformer", "vae"}

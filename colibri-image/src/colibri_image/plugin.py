@@ -151,6 +151,7 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"
 ENGINE_PIPELINES = ("QwenImagePipeline", "QwenImage21Pipeline")
+TOKENIZER_FOLDERS = ("tokenizer", "processor")
 ENGINE_SOURCES = ("image_ops.c", "qwen_image.c", "qwen_image21.c")
 
 
@@ -186,11 +187,15 @@ def model_task(model: ResolvedModel) -> str:
 
 @hookimpl
 def load_tokenizer(model: ResolvedModel) -> Any:
-    # diffusers keeps the tokenizer in its own component folder; there is no chat template to look for
+    # diffusers keeps the tokenizer in its own component folder (tokenizer/, or processor/ for pipelines whose text
+    # encoder takes a multimodal processor, as Qwen-Image-2.1); there is no chat template to look for
     from colibri.tokenizer import load_tokenizer_dir
 
-    folder = model.path / "tokenizer"
-    return load_tokenizer_dir(folder, None) if folder.is_dir() else None
+    for name in TOKENIZER_FOLDERS:
+        folder = model.path / name
+        if folder.is_dir():
+            return load_tokenizer_dir(folder, None)
+    return None
 
 
 @hookimpl
