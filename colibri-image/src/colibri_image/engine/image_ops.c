@@ -283,6 +283,42 @@ void rope_section(float *out, int pos, int dim) {
     }
 }
 
+/* Rotations [n][sum(axes)] for text tokens at positions start, start + 1, ... on all three axes. */
+void rope_text(float *cs, int n, int start, const int axes[3]) {
+    int hd = axes[0] + axes[1] + axes[2];
+    for (int i = 0; i < n; i++) {
+        float *c = cs + (size_t)i * hd;
+        rope_section(c, start + i, axes[0]);
+        rope_section(c + axes[0], start + i, axes[1]);
+        rope_section(c + axes[0] + axes[1], start + i, axes[2]);
+    }
+}
+
+/* Rotations [gh * gw][sum(axes)] for an image grid: the frame axis fixed, height and width centred on zero. */
+void rope_image(float *cs, int gh, int gw, int frame, const int axes[3]) {
+    int hd = axes[0] + axes[1] + axes[2];
+    for (int y = 0; y < gh; y++)
+        for (int x = 0; x < gw; x++) {
+            float *c = cs + ((size_t)y * gw + x) * hd;
+            rope_section(c, frame, axes[0]);
+            rope_section(c + axes[0], y - (gh - gh / 2), axes[1]);
+            rope_section(c + axes[0] + axes[1], x - (gw - gw / 2), axes[2]);
+        }
+}
+
+/* One step request of a transformer session (cmd 1, which text, timestep, the latents): 1 read, 0 the end of the
+ * session (end of input or another command), -1 a short or bad request. */
+int read_step(int ntext, size_t floats, float *lat, int32_t *which, float *timestep) {
+    int32_t cmd;
+    if (read_i32(&cmd) || cmd != 1) return 0;
+    if (read_i32(which) || *which < 0 || *which >= ntext || read_all(timestep, 4) ||
+        read_all(lat, sizeof(float) * floats)) {
+        snprintf(g_err, sizeof g_err, "short step request");
+        return -1;
+    }
+    return 1;
+}
+
 /* A causal conv3d on the first frame: the past frames are zero padding, so only the kernel's last time slice
  * meets the frame: a 2-D conv. Weights [out, in, kt, kh, kw] -> the slice [out, in, kh, kw]; three_d=0 reads
  * plain [out, in, kh, kw] weights (2.1 stores its convolutions 2-D). */
@@ -414,6 +450,89 @@ float *vattn_forward(const vattn_t *a, float *x, int h, int w) {
     for (size_t i = 0; i < (size_t)C * n; i++) o[i] += x[i];
     free(t); free(qkv); free(tq); free(to); free(x);
     return o;
+}
+
+/* nearest-exact x2 of y [C, h, w] (freed) */
+float *upsample2x(float *y, int C, int h, int w) {
+    int H2 = 2 * h, W2 = 2 * w;
+    float *big = FALLOC((size_t)C * H2 * W2);
+    for (int c = 0; c < C; c++)
+        for (int yy = 0; yy < H2; yy++)
+            for (int xx = 0; xx < W2; xx++)
+                big[((size_t)c * H2 + yy) * W2 + xx] = y[((size_t)c * h + yy / 2) * w + xx / 2];
+    free(y);
+    return big;
+}
+
+int vae_frame_load(vae_frame_t *v, const args_t *a, int three_d, int out_rows) {
+    int base, mult[8];
+    if (arg_int(a, "base_dim", &base) || arg_int(a, "z_dim", &v->z) || arg_int(a, "num_res_blocks", &v->nres) ||
+        arg_int(a, "levels", &v->levels))
+        return -1;
+    if (v->levels < 1 || v->levels > 8) { snprintf(g_err, sizeof g_err, "levels=%d out of range", v->levels);
+                                          return -1; }
+    for (int i = 0; i < v->levels; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "mult%d", i);
+        if (arg_int(a, key, &mult[i])) return -1;
+    }
+    int *dims = v->dims, z = v->z, top = v->levels;
+    dims[0] = base * mult[top - 1];
+    for (int i = 0; i < top; i++) dims[i + 1] = base * mult[top - 1 - i];
+    if (load_conv(&v->pq, "post_quant_conv", z, z, three_d) ||
+        load_conv(&v->cin, "decoder.conv_in", z, dims[0], three_d) ||
+        load_res(&v->mid0, "decoder.mid_block.resnets.0", dims[0], dims[0], three_d) ||
+        load_res(&v->mid1, "decoder.mid_block.resnets.1", dims[0], dims[0], three_d))
+        return -1;
+    v->attn.C = dims[0];
+    if (!(v->attn.gamma = load_f32("decoder.mid_block.attentions.0.norm.gamma", (size_t)dims[0])) ||
+        load_conv(&v->attn.qkv, "decoder.mid_block.attentions.0.to_qkv", dims[0], 3 * dims[0], 0) ||
+        load_conv(&v->attn.proj, "decoder.mid_block.attentions.0.proj", dims[0], dims[0], 0))
+        return -1;
+    if (!(v->gout = load_f32("decoder.norm_out.gamma", (size_t)dims[top]))) return -1;
+    return load_conv(&v->cout, "decoder.conv_out", dims[top], out_rows, three_d);
+}
+
+/* The next request (latent h, w, then z x h x w floats) through the front: 1 with y [dims[0], h, w], 0 at the end
+ * of input, -1 on a bad request. */
+int vae_frame_next(const vae_frame_t *v, int32_t *h, int32_t *w, float **y) {
+    if (read_i32(h) || read_i32(w)) return 0;
+    if (*h <= 0 || *w <= 0 || *h > 1024 || *w > 1024) { snprintf(g_err, sizeof g_err, "bad latent size"); return -1; }
+    size_t hw = (size_t)*h * *w;
+    float *zin = FALLOC((size_t)v->z * hw), *x = FALLOC((size_t)v->z * hw);
+    if (read_all(zin, sizeof(float) * (size_t)v->z * hw)) {
+        snprintf(g_err, sizeof g_err, "short latents");
+        free(zin); free(x);
+        return -1;
+    }
+    conv(&v->pq, x, zin, *h, *w);
+    float *out = FALLOC((size_t)v->dims[0] * hw);
+    conv(&v->cin, out, x, *h, *w);
+    free(x); free(zin);
+    out = res_forward(&v->mid0, out, *h, *w);
+    out = vattn_forward(&v->attn, out, *h, *w);
+    *y = res_forward(&v->mid1, out, *h, *w);
+    return 1;
+}
+
+/* norm_out, SiLU, conv_out, clamped to [-1, 1]: a new [cout rows, h, w] buffer (y is freed). */
+float *vae_frame_tail(const vae_frame_t *v, float *y, int h, int w) {
+    size_t n = (size_t)v->cout.cout * h * w;
+    rms_channels(y, v->dims[v->levels], h * w, v->gout, 1);
+    float *img = FALLOC(n);
+    conv(&v->cout, img, y, h, w);
+    free(y);
+    for (size_t i = 0; i < n; i++) img[i] = img[i] < -1.0f ? -1.0f : img[i] > 1.0f ? 1.0f : img[i];
+    return img;
+}
+
+void vae_frame_free(vae_frame_t *v) {
+    conv_t *convs[] = {&v->pq, &v->cin, &v->cout, &v->attn.qkv, &v->attn.proj};
+    for (size_t i = 0; i < sizeof convs / sizeof *convs; i++) free_conv(convs[i]);
+    free_res(&v->mid0);
+    free_res(&v->mid1);
+    free(v->gout);
+    free(v->attn.gamma);
 }
 
 /* The stage's own high-water RSS (VmHWM, which starts afresh at exec, unlike getrusage's maxrss that inherits the

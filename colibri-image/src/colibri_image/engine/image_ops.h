@@ -82,6 +82,9 @@ void norm_modulate(float *out, const float *x, int n, int D, const float *shift,
 float gelu_tanh(float x);
 void qk_norm_rope(float *x, int n, int heads, int hd, const float *w, const float *cs, float eps);
 void rope_section(float *out, int pos, int dim);
+void rope_text(float *cs, int n, int start, const int axes[3]);
+void rope_image(float *cs, int gh, int gw, int frame, const int axes[3]);
+int read_step(int ntext, size_t floats, float *lat, int32_t *which, float *timestep);
 
 int load_conv(conv_t *c, const char *prefix, int cin, int cout, int three_d);
 void free_conv(conv_t *c);
@@ -91,6 +94,23 @@ int load_res(resblock_t *r, const char *p, int cin, int cout, int three_d);
 void free_res(resblock_t *r);
 float *res_forward(const resblock_t *r, float *x, int h, int w);
 float *vattn_forward(const vattn_t *a, float *x, int h, int w);
+float *upsample2x(float *y, int C, int h, int w);
+
+/* What both decoders share around their up blocks: the arguments (z_dim, num_res_blocks, levels, multI; base_dim),
+ * post_quant_conv + conv_in + the mid block (resnet, attention, resnet) in front, norm_out + conv_out behind. */
+typedef struct {
+    int z, nres, levels, dims[9];   /* dims[0] the mid block's channels, dims[i + 1] up block i's output */
+    conv_t pq, cin, cout;
+    resblock_t mid0, mid1;
+    vattn_t attn;
+    float *gout;
+} vae_frame_t;
+
+int vae_frame_load(vae_frame_t *v, const args_t *a, int three_d, int out_rows);
+int vae_frame_next(const vae_frame_t *v, int32_t *h, int32_t *w, float **y);
+float *vae_frame_tail(const vae_frame_t *v, float *y, int h, int w);
+void vae_frame_free(vae_frame_t *v);
+
 void report_peak_rss(void);
 
 #endif

@@ -271,21 +271,10 @@ static int run_dit(const args_t *a) {
         linear(&m.txt_in, txt[t], raw, tlen[t]);
         free(raw);
         txt_cs[t] = FALLOC((size_t)tlen[t] * hd);
-        for (int i = 0; i < tlen[t]; i++) {
-            float *c = txt_cs[t] + (size_t)i * hd;
-            rope_section(c, max_vid + i, m.axes[0]);
-            rope_section(c + m.axes[0], max_vid + i, m.axes[1]);
-            rope_section(c + m.axes[0] + m.axes[1], max_vid + i, m.axes[2]);
-        }
+        rope_text(txt_cs[t], tlen[t], max_vid, m.axes);
     }
     float *img_cs = FALLOC((size_t)N * hd);
-    for (int y = 0; y < gh; y++)
-        for (int x = 0; x < gw; x++) {
-            float *c = img_cs + ((size_t)y * gw + x) * hd;
-            rope_section(c, 0, m.axes[0]);
-            rope_section(c + m.axes[0], y - (gh - gh / 2), m.axes[1]);
-            rope_section(c + m.axes[0] + m.axes[1], x - (gw - gw / 2), m.axes[2]);
-        }
+    rope_image(img_cs, gh, gw, 0, m.axes);
     int maxT = tlen[0] > tlen[1] ? tlen[0] : tlen[1];
     int S = maxT + N;
     float *lat = FALLOC((size_t)N * m.in_ch), *img = FALLOC((size_t)N * D), *tx = FALLOC((size_t)maxT * D);
@@ -294,15 +283,10 @@ static int run_dit(const args_t *a) {
           *ff = FALLOC((size_t)S * F);
     float *tproj = FALLOC(256), *temb = FALLOC(D), *stemb = FALLOC(D), *imod = FALLOC(6 * D),
           *tmod = FALLOC(6 * D), *omod = FALLOC(2 * D), *out = FALLOC((size_t)N * 4 * m.out_ch);
-    int32_t cmd;
-    while (read_i32(&cmd) == 0 && cmd == 1) {
-        int32_t which;
-        float timestep;
-        if (read_i32(&which) || which < 0 || which >= ntext || read_all(&timestep, 4) ||
-            read_all(lat, sizeof(float) * (size_t)N * m.in_ch)) {
-            snprintf(g_err, sizeof g_err, "short step request");
-            return -1;
-        }
+    int32_t which;
+    float timestep;
+    int got;
+    while ((got = read_step(ntext, (size_t)N * m.in_ch, lat, &which, &timestep)) == 1) {
         int T = tlen[which];
         memcpy(tx, txt[which], sizeof(float) * (size_t)T * D);
         /* Timesteps(256, flip_sin_to_cos, shift 0, scale 1000) of the t/1000 the pipeline passes */
@@ -347,6 +331,7 @@ static int run_dit(const args_t *a) {
         if (write_all(out, sizeof(float) * (size_t)N * 4 * m.out_ch)) return -1;
         fflush(stdout);
     }
+    if (got < 0) return -1;
     float *scratch[] = {img_cs, lat, img, tx, nrm, q, k, v, att, tmp, ff, tproj, temb, stemb, imod, tmod,
                         omod, out, txt[0], txt[1], txt_cs[0], txt_cs[1]};
     for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) free(scratch[i]);
@@ -357,103 +342,54 @@ static int run_dit(const args_t *a) {
 /* ================================================================== vae: AutoencoderKLQwenImage decoder, 1 frame */
 
 static int run_vae(const args_t *a) {
-    int base, z, nres, nmult, mult[8], up3d[8];
-    if (arg_int(a, "base_dim", &base) || arg_int(a, "z_dim", &z) || arg_int(a, "num_res_blocks", &nres) ||
-        arg_int(a, "levels", &nmult))
-        return -1;
-    if (nmult < 1 || nmult > 8) { snprintf(g_err, sizeof g_err, "levels=%d out of range", nmult); return -1; }
-    for (int i = 0; i < nmult; i++) {
-        char key[32];
-        snprintf(key, sizeof key, "mult%d", i);
-        if (arg_int(a, key, &mult[i])) return -1;
-    }
-    conv_t pq, cin, cout;
-    resblock_t mid0, mid1;
-    vattn_t mattn;
-    int dims[9];
-    dims[0] = base * mult[nmult - 1];
-    for (int i = 0; i < nmult; i++) dims[i + 1] = base * mult[nmult - 1 - i];
-    (void)up3d;
-    if (load_conv(&pq, "post_quant_conv", z, z, 1) || load_conv(&cin, "decoder.conv_in", z, dims[0], 1) ||
-        load_res(&mid0, "decoder.mid_block.resnets.0", dims[0], dims[0], 1) ||
-        load_res(&mid1, "decoder.mid_block.resnets.1", dims[0], dims[0], 1))
-        return -1;
-    mattn.C = dims[0];
-    if (!(mattn.gamma = load_f32("decoder.mid_block.attentions.0.norm.gamma", (size_t)dims[0])) ||
-        load_conv(&mattn.qkv, "decoder.mid_block.attentions.0.to_qkv", dims[0], 3 * dims[0], 0) ||
-        load_conv(&mattn.proj, "decoder.mid_block.attentions.0.proj", dims[0], dims[0], 0))
-        return -1;
-    resblock_t *res = xalloc(sizeof(resblock_t) * (size_t)nmult * (nres + 1));
-    conv_t *ups = xalloc(sizeof(conv_t) * (size_t)nmult);
-    for (int i = 0; i < nmult; i++) {
-        int in = dims[i], out = dims[i + 1];
+    vae_frame_t v;
+    if (vae_frame_load(&v, a, 1, 3)) return -1;
+    int L = v.levels, nres = v.nres;
+    resblock_t *res = xalloc(sizeof(resblock_t) * (size_t)L * (nres + 1));
+    conv_t *ups = xalloc(sizeof(conv_t) * (size_t)L);
+    for (int i = 0; i < L; i++) {
+        int in = v.dims[i], out = v.dims[i + 1];
         if (i > 0) in /= 2;
         for (int r = 0; r <= nres; r++) {
             char p[128];
             snprintf(p, sizeof p, "decoder.up_blocks.%d.resnets.%d", i, r);
             if (load_res(&res[i * (nres + 1) + r], p, r == 0 ? in : out, out, 1)) return -1;
         }
-        if (i != nmult - 1) {
+        if (i != L - 1) {
             char p[128];
             snprintf(p, sizeof p, "decoder.up_blocks.%d.upsamplers.0.resample.1", i);
             if (load_conv(&ups[i], p, out, out / 2, 0)) return -1;
         }
     }
-    float *gout = load_f32("decoder.norm_out.gamma", (size_t)dims[nmult]);
-    if (!gout || load_conv(&cout, "decoder.conv_out", dims[nmult], 3, 1)) return -1;
     fputs("ready\n", stderr);
     int32_t h, w;
-    while (read_i32(&h) == 0 && read_i32(&w) == 0) {
-        if (h <= 0 || w <= 0 || h > 1024 || w > 1024) { snprintf(g_err, sizeof g_err, "bad latent size"); return -1; }
-        float *zin = FALLOC((size_t)z * h * w), *x = FALLOC((size_t)z * h * w);
-        if (read_all(zin, sizeof(float) * (size_t)z * h * w)) { snprintf(g_err, sizeof g_err, "short latents");
-                                                               return -1; }
-        conv(&pq, x, zin, h, w);
-        float *y = FALLOC((size_t)dims[0] * h * w);
-        conv(&cin, y, x, h, w);
-        free(x); free(zin);
-        y = res_forward(&mid0, y, h, w);
-        y = vattn_forward(&mattn, y, h, w);
-        y = res_forward(&mid1, y, h, w);
-        int C = dims[0];
-        for (int i = 0; i < nmult; i++) {
-            for (int r = 0; r <= nres; r++) {
-                y = res_forward(&res[i * (nres + 1) + r], y, h, w);
-                C = dims[i + 1];
-            }
-            if (i != nmult - 1) {   /* nearest-exact x2, then the 2-D conv (the time conv skips the first frame) */
-                int H2 = 2 * h, W2 = 2 * w;
-                float *big = FALLOC((size_t)C * H2 * W2);
-                for (int c = 0; c < C; c++)
-                    for (int yy = 0; yy < H2; yy++)
-                        for (int xx = 0; xx < W2; xx++)
-                            big[((size_t)c * H2 + yy) * W2 + xx] = y[((size_t)c * h + yy / 2) * w + xx / 2];
-                free(y);
-                y = FALLOC((size_t)(C / 2) * H2 * W2);
-                conv(&ups[i], y, big, H2, W2);
+    float *y;
+    int got;
+    while ((got = vae_frame_next(&v, &h, &w, &y)) == 1) {
+        for (int i = 0; i < L; i++) {
+            for (int r = 0; r <= nres; r++) y = res_forward(&res[i * (nres + 1) + r], y, h, w);
+            if (i != L - 1) {   /* nearest-exact x2, then the 2-D conv (the time conv skips the first frame) */
+                int C = v.dims[i + 1];
+                float *big = upsample2x(y, C, h, w);
+                h *= 2; w *= 2;
+                y = FALLOC((size_t)(C / 2) * h * w);
+                conv(&ups[i], y, big, h, w);
                 free(big);
-                h = H2; w = W2; C /= 2;
             }
         }
-        rms_channels(y, C, h * w, gout, 1);
-        float *img = FALLOC((size_t)3 * h * w);
-        conv(&cout, img, y, h, w);
-        free(y);
-        for (size_t i = 0; i < (size_t)3 * h * w; i++) img[i] = img[i] < -1.0f ? -1.0f : img[i] > 1.0f ? 1.0f : img[i];
+        float *img = vae_frame_tail(&v, y, h, w);
         int32_t hdr[2] = {h, w};
         if (write_all(hdr, sizeof hdr) || write_all(img, sizeof(float) * (size_t)3 * h * w)) return -1;
         fflush(stdout);
         free(img);
     }
-    conv_t *convs[] = {&pq, &cin, &cout, &mattn.qkv, &mattn.proj};
-    for (size_t i = 0; i < sizeof convs / sizeof *convs; i++) free_conv(convs[i]);
-    free_res(&mid0);
-    free_res(&mid1);
-    for (int i = 0; i < nmult; i++) {
+    if (got < 0) return -1;
+    for (int i = 0; i < L; i++) {
         for (int r = 0; r <= nres; r++) free_res(&res[i * (nres + 1) + r]);
-        if (i != nmult - 1) free_conv(&ups[i]);
+        if (i != L - 1) free_conv(&ups[i]);
     }
-    free(res); free(ups); free(gout); free(mattn.gamma);
+    free(res); free(ups);
+    vae_frame_free(&v);
     return 0;
 }
 

@@ -219,12 +219,7 @@ int run_dit21(const args_t *a) {
         linear(&m.txt_in2, P[t].proj, h, T);
         free(raw); free(h);
         P[t].cs = FALLOC((size_t)T * hd);
-        for (int i = 0; i < T; i++) {   /* text advances one shared position on all three axes */
-            float *c = P[t].cs + (size_t)i * hd;
-            rope_section(c, i, m.axes[0]);
-            rope_section(c + m.axes[0], i, m.axes[1]);
-            rope_section(c + m.axes[0] + m.axes[1], i, m.axes[2]);
-        }
+        rope_text(P[t].cs, T, 0, m.axes);   /* text advances one shared position on all three axes */
         P[t].k = FALLOC((size_t)m.layers * T * D);
         P[t].v = FALLOC((size_t)m.layers * T * D);
     }
@@ -239,25 +234,14 @@ int run_dit21(const args_t *a) {
     float *img_cs[2] = {NULL, NULL};
     for (int t = 0; t < ntext; t++) {
         img_cs[t] = FALLOC((size_t)N * hd);
-        for (int y = 0; y < gh; y++)
-            for (int x = 0; x < gw; x++) {
-                float *c = img_cs[t] + ((size_t)y * gw + x) * hd;
-                rope_section(c, P[t].T, m.axes[0]);
-                rope_section(c + m.axes[0], y - (gh - gh / 2), m.axes[1]);
-                rope_section(c + m.axes[0] + m.axes[1], x - (gw - gw / 2), m.axes[2]);
-            }
+        rope_image(img_cs[t], gh, gw, P[t].T, m.axes);
     }
     float *lat = FALLOC((size_t)N * m.in_ch), *img = FALLOC((size_t)N * D), *sc = FALLOC(D),
           *out = FALLOC((size_t)N * m.out_ch);
-    int32_t cmd;
-    while (read_i32(&cmd) == 0 && cmd == 1) {
-        int32_t which;
-        float timestep;
-        if (read_i32(&which) || which < 0 || which >= ntext || read_all(&timestep, 4) ||
-            read_all(lat, sizeof(float) * (size_t)N * m.in_ch)) {
-            snprintf(g_err, sizeof g_err, "short step request");
-            return -1;
-        }
+    int32_t which;
+    float timestep;
+    int got;
+    while ((got = read_step(ntext, (size_t)N * m.in_ch, lat, &which, &timestep)) == 1) {
         prefix21_t *p = &P[which];
         condition(&m, &ct, timestep);
         if (!m.causal) prefix21_fill(&m, p, ct.mod, &s);
@@ -278,6 +262,7 @@ int run_dit21(const args_t *a) {
         if (write_all(out, sizeof(float) * (size_t)N * m.out_ch)) return -1;
         fflush(stdout);
     }
+    if (got < 0) return -1;
     for (int t = 0; t < ntext; t++) {
         free(P[t].proj); free(P[t].cs); free(P[t].k); free(P[t].v); free(img_cs[t]);
     }
@@ -309,126 +294,79 @@ typedef struct {
 } upblock21_t;
 
 int run_vae21(const args_t *a) {
-    int base, z, nres, levels, out_ch, patch, mult[8];
-    if (arg_int(a, "base_dim", &base) || arg_int(a, "z_dim", &z) || arg_int(a, "num_res_blocks", &nres) ||
-        arg_int(a, "levels", &levels) || arg_int(a, "out_channels", &out_ch))
-        return -1;
-    patch = arg_int_or(a, "patch", 1);
-    if (levels < 1 || levels > 8 || patch < 1 || patch > 8) {
-        snprintf(g_err, sizeof g_err, "levels=%d or patch=%d out of range", levels, patch);
+    int out_ch, patch = arg_int_or(a, "patch", 1);
+    if (arg_int(a, "out_channels", &out_ch)) return -1;
+    if (patch < 1 || patch > 8 || out_ch < 1 || out_ch > 16) {
+        snprintf(g_err, sizeof g_err, "patch=%d or out_channels=%d out of range", patch, out_ch);
         return -1;
     }
+    vae_frame_t v;
+    if (vae_frame_load(&v, a, 0, out_ch * patch * patch)) return -1;
     upblock21_t U[8];
-    int dims[9];
-    for (int i = 0; i < levels; i++) {
-        char key[32];
-        snprintf(key, sizeof key, "mult%d", i);
-        if (arg_int(a, key, &mult[i])) return -1;
-    }
-    dims[0] = base * mult[levels - 1];
-    for (int i = 0; i < levels; i++) dims[i + 1] = base * mult[levels - 1 - i];
-    conv_t pq, cin, cout;
-    resblock_t mid0, mid1;
-    vattn_t mattn;
-    if (load_conv(&pq, "post_quant_conv", z, z, 0) || load_conv(&cin, "decoder.conv_in", z, dims[0], 0) ||
-        load_res(&mid0, "decoder.mid_block.resnets.0", dims[0], dims[0], 0) ||
-        load_res(&mid1, "decoder.mid_block.resnets.1", dims[0], dims[0], 0))
-        return -1;
-    mattn.C = dims[0];
-    if (!(mattn.gamma = load_f32("decoder.mid_block.attentions.0.norm.gamma", (size_t)dims[0])) ||
-        load_conv(&mattn.qkv, "decoder.mid_block.attentions.0.to_qkv", dims[0], 3 * dims[0], 0) ||
-        load_conv(&mattn.proj, "decoder.mid_block.attentions.0.proj", dims[0], dims[0], 0))
-        return -1;
-    for (int i = 0; i < levels; i++) {
+    for (int i = 0; i < v.levels; i++) {
         upblock21_t *u = &U[i];
         char key[32], p[128];
-        u->in = dims[i];
-        u->out = dims[i + 1];
-        u->up = i != levels - 1;
+        u->in = v.dims[i];
+        u->out = v.dims[i + 1];
+        u->up = i != v.levels - 1;
         snprintf(key, sizeof key, "tup%d", i);
         u->ft = u->up && arg_int_or(a, key, 0) ? 2 : 1;
         if (u->up && (u->out * u->ft * 4) % u->in) {
             snprintf(g_err, sizeof g_err, "up block %d: %d channels cannot repeat into %d", i, u->in, u->out);
             return -1;
         }
-        u->res = xalloc(sizeof(resblock_t) * (size_t)(nres + 1));
-        for (int r = 0; r <= nres; r++) {
+        u->res = xalloc(sizeof(resblock_t) * (size_t)(v.nres + 1));
+        for (int r = 0; r <= v.nres; r++) {
             snprintf(p, sizeof p, "decoder.up_blocks.%d.resnets.%d", i, r);
             if (load_res(&u->res[r], p, r == 0 ? u->in : u->out, u->out, 0)) return -1;
         }
         snprintf(p, sizeof p, "decoder.up_blocks.%d.upsampler.resample.1", i);
         if (u->up && load_conv(&u->upconv, p, u->out, u->out, 0)) return -1;
     }
-    float *gout = load_f32("decoder.norm_out.gamma", (size_t)dims[levels]);
-    if (!gout || load_conv(&cout, "decoder.conv_out", dims[levels], out_ch * patch * patch, 0)) return -1;
     fputs("ready\n", stderr);
     int32_t h, w;
-    while (read_i32(&h) == 0 && read_i32(&w) == 0) {
-        if (h <= 0 || w <= 0 || h > 1024 || w > 1024) { snprintf(g_err, sizeof g_err, "bad latent size"); return -1; }
-        float *zin = FALLOC((size_t)z * h * w), *x = FALLOC((size_t)z * h * w);
-        if (read_all(zin, sizeof(float) * (size_t)z * h * w)) { snprintf(g_err, sizeof g_err, "short latents");
-                                                               return -1; }
-        conv(&pq, x, zin, h, w);
-        float *y = FALLOC((size_t)dims[0] * h * w);
-        conv(&cin, y, x, h, w);
-        free(x); free(zin);
-        y = res_forward(&mid0, y, h, w);
-        y = vattn_forward(&mattn, y, h, w);
-        y = res_forward(&mid1, y, h, w);
-        for (int i = 0; i < levels; i++) {
+    float *y;
+    int got;
+    while ((got = vae_frame_next(&v, &h, &w, &y)) == 1) {
+        for (int i = 0; i < v.levels; i++) {
             upblock21_t *u = &U[i];
             float *copy = NULL;
             if (u->up) {
                 copy = FALLOC((size_t)u->in * h * w);
                 memcpy(copy, y, sizeof(float) * (size_t)u->in * h * w);
             }
-            for (int r = 0; r <= nres; r++) y = res_forward(&u->res[r], y, h, w);
+            for (int r = 0; r <= v.nres; r++) y = res_forward(&u->res[r], y, h, w);
             if (!u->up) continue;
-            int H2 = 2 * h, W2 = 2 * w, C = u->out;   /* nearest-exact x2, then the 3x3 conv */
-            float *big = FALLOC((size_t)C * H2 * W2);
-            for (int c = 0; c < C; c++)
-                for (int yy = 0; yy < H2; yy++)
-                    for (int xx = 0; xx < W2; xx++)
-                        big[((size_t)c * H2 + yy) * W2 + xx] = y[((size_t)c * h + yy / 2) * w + xx / 2];
-            free(y);
-            y = FALLOC((size_t)C * H2 * W2);
-            conv(&u->upconv, y, big, H2, W2);
+            float *big = upsample2x(y, u->out, h, w);   /* nearest-exact x2, then the 3x3 conv */
+            y = FALLOC((size_t)u->out * 4 * h * w);
+            conv(&u->upconv, y, big, 2 * h, 2 * w);
             free(big);
             dup_up_add(y, copy, u->in, u->out, u->ft, h, w);
             free(copy);
-            h = H2; w = W2;
+            h *= 2; w *= 2;
         }
-        rms_channels(y, dims[levels], h * w, gout, 1);
-        int oc = out_ch * patch * patch;
-        float *raw = FALLOC((size_t)oc * h * w), *img = FALLOC((size_t)oc * h * w);
-        conv(&cout, raw, y, h, w);
-        free(y);
+        float *raw = vae_frame_tail(&v, y, h, w), *img = FALLOC((size_t)out_ch * patch * patch * h * w);
         /* unpatchify: channel c * p * p + a * p + b at (y, x) -> channel c at (y * p + b, x * p + a) */
         int H = h * patch, W = w * patch;
         for (int c = 0; c < out_ch; c++)
             for (int pa = 0; pa < patch; pa++)
                 for (int pb = 0; pb < patch; pb++)
                     for (int yy = 0; yy < h; yy++)
-                        for (int xx = 0; xx < w; xx++) {
-                            float v = raw[((size_t)((c * patch + pa) * patch + pb) * h + yy) * w + xx];
+                        for (int xx = 0; xx < w; xx++)
                             img[((size_t)c * H + yy * patch + pb) * W + xx * patch + pa] =
-                                v < -1.0f ? -1.0f : v > 1.0f ? 1.0f : v;
-                        }
+                                raw[((size_t)((c * patch + pa) * patch + pb) * h + yy) * w + xx];
         free(raw);
         int32_t hdr[3] = {H, W, out_ch};
         if (write_all(hdr, sizeof hdr) || write_all(img, sizeof(float) * (size_t)out_ch * H * W)) return -1;
         fflush(stdout);
         free(img);
     }
-    conv_t *convs[] = {&pq, &cin, &cout, &mattn.qkv, &mattn.proj};
-    for (size_t i = 0; i < sizeof convs / sizeof *convs; i++) free_conv(convs[i]);
-    free_res(&mid0);
-    free_res(&mid1);
-    for (int i = 0; i < levels; i++) {
-        for (int r = 0; r <= nres; r++) free_res(&U[i].res[r]);
+    if (got < 0) return -1;
+    for (int i = 0; i < v.levels; i++) {
+        for (int r = 0; r <= v.nres; r++) free_res(&U[i].res[r]);
         free(U[i].res);
         if (U[i].up) free_conv(&U[i].upconv);
     }
-    free(gout); free(mattn.gamma);
+    vae_frame_free(&v);
     return 0;
 }
