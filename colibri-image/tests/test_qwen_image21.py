@@ -19,26 +19,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from colibri import builder  # noqa: E402
 from colibri.errors import ConfigError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
 from colibri.testing.tiny import tiny_model  # noqa: E402
 from colibri_image.pipeline import Pipeline, Request, Trace, open_dir  # noqa: E402
 from colibri_image.pipeline21 import Pipeline21  # noqa: E402
 from colibri_image.tiny import prompt_only_processor_from  # noqa: E402
 
+import image_parity  # noqa: E402
+from image_parity import coli  # noqa: E402
+
 SIZE = 32
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model("qwen-image-21", tmp_path_factory.mktemp("tiny-qwen-image21"))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    return builder.engine_for_model(resolve_model(tiny.path))
+engine_fixture = image_parity.engine_fixture   # the "engine" fixture
+tiny = image_parity.tiny_pipeline("qwen-image-21")
 
 
 def load_reference(path):
@@ -55,16 +50,7 @@ def reference(tiny):
 
 
 def run_reference(pipe, req: Request):
-    latents = []
-
-    def keep(_pipe, _i, _t, kwargs):
-        latents.append(kwargs["latents"][0].numpy().copy())
-        return kwargs
-
-    out = pipe(req.prompt, negative_prompt=req.negative_prompt, true_cfg_scale=req.guidance or 1.0,
-               height=req.height, width=req.width, num_inference_steps=req.steps,
-               generator=torch.Generator().manual_seed(req.seed), output_type="np", callback_on_step_end=keep)
-    return latents, np.round(out.images[0] * 255).astype(np.uint8)
+    return image_parity.run_reference(pipe, req, Pipeline21.DEFAULT_GUIDANCE)
 
 
 def test_open_dir_picks_the_class(tiny, engine):
@@ -98,22 +84,16 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, prompt, negative, g
         assert np.abs(trace.negative_embeds - neg[0].numpy()).max() < 1e-4
 
     ref_latents, ref_image = run_reference(reference, req)
-    assert len(trace.latents) == len(ref_latents) == STEPS
-    for ours, theirs in zip(trace.latents, ref_latents):
-        assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
-    assert image.shape == ref_image.shape == (SIZE, SIZE, 4)
-    diff = np.abs(image.astype(int) - ref_image.astype(int))
-    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    image_parity.assert_matches(trace, image, ref_latents, ref_image, STEPS, (SIZE, SIZE, 4))
 
 
 @pytest.mark.parametrize("negative", [None, "blurry"])
 def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
     req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative,
                   guidance=3.0 if negative else None)
-    ours = open_dir(tiny.path, engine, weights="int8").generate(req).astype(np.float64)
+    ours = open_dir(tiny.path, engine, weights="int8").generate(req)
     _, theirs = run_reference(reference, req)
-    mse = ((ours - theirs.astype(np.float64)) ** 2).mean()
-    psnr = 10 * np.log10(255.0 ** 2 / mse) if mse else float("inf")
+    psnr = image_parity.psnr(ours, theirs)
     print(f"Qwen-Image-2.1 int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
     assert psnr > 35.0
     assert not np.array_equal(ours, open_dir(tiny.path, engine).generate(req))   # int8 really ran
@@ -148,15 +128,11 @@ def test_missing_processor_and_unknown_class(tiny, engine, tmp_path):
 
 
 def test_coli_run_writes_an_rgba_png(tiny, engine, tmp_path):
-    import subprocess
-    import sys
-
     from PIL import Image
 
     out = tmp_path / "fox.png"
-    done = subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", "run", "--model",
-                           str(tiny.path), "a red fox", "--out", str(out), "--size", "64x32", "--steps", "3",
-                           "--seed", "9", "--weights", "f32"], capture_output=True, text=True, timeout=300)
+    done = coli("run", "--model", str(tiny.path), "a red fox", "--out", str(out), "--size", "64x32", "--steps", "3",
+                "--seed", "9", "--weights", "f32")
     assert done.returncode == 0, done.stderr
     assert "3/3" in done.stderr and "s/step" in done.stderr and "peak RSS" in done.stderr
     with Image.open(out) as image:
@@ -186,16 +162,10 @@ def test_engine_out_of_memory_is_one_clean_error(tiny, engine):
 
 
 def test_doctor_and_plan_understand_the_21_layout(tiny, engine):
-    import subprocess
-    import sys
-
-    coli = [sys.executable, "-c", "from colibri.cli import main; main()"]
-    done = subprocess.run([*coli, "doctor", "--model", str(tiny.path), "--json"], capture_output=True, text=True,
-                          timeout=120)
+    done = coli("doctor", "--model", str(tiny.path), "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
     assert all(c["status"] == "pass" for c in checks.values()), checks
     assert "tokenizer.json" in checks["tokenizer"]["detail"]   # found in processor/
-    plan = json.loads(subprocess.run([*coli, "plan", "--model", str(tiny.path), "--ram", "1", "--json"],
-                                     capture_output=True, text=True, timeout=120).stdout)
+    plan = json.loads(coli("plan", "--model", str(tiny.path), "--ram", "1", "--json").stdout)
     assert set(dict(plan["stages"])) == {"text_encoder", "transformer", "vae"}
