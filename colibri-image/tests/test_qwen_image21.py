@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -142,23 +143,30 @@ def test_coli_run_writes_an_rgba_png(tiny, engine, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["fox.png"]
 
 
-def test_engine_out_of_memory_is_one_clean_error(tiny, engine):
+def test_engine_out_of_memory_is_one_clean_error(tiny, engine, monkeypatch):
     """An allocation that fails inside a stage returns to the engine's main (no exit() deep in a block): exit
-    status 1, one 'error: out of memory' line, which the pipeline reports as one line."""
+    status 1 and one 'error: out of memory' line, which the pipeline reports as one EngineError line."""
     import resource
     import struct
-    import subprocess
+
+    from colibri.errors import EngineError
+    from colibri_image.pipeline import Stage
 
     pipe = open_dir(tiny.path, engine)
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
 
-    proc = subprocess.run([str(engine), "dit21", str(tiny.path / "transformer"), *pipe.dit_args()],
-                          input=struct.pack("<iii", 1024, 1024, 1) + struct.pack("<i", 1) + bytes(4 * 32),
-                          capture_output=True, preexec_fn=cap, timeout=60)
-    lines = [ln for ln in proc.stderr.decode().splitlines() if ln.strip() and ln != "ready"]
-    assert proc.returncode == 1 and lines[-1].startswith("error: out of memory allocating "), proc.stderr
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: real_popen(*a, **k, preexec_fn=cap))   # a RAM cap
+    stage = Stage(pipe, "dit21", "transformer", pipe.dit_args())
+    with pytest.raises(EngineError) as caught, stage:   # a 1024 x 1024 token grid does not fit in 512 MiB
+        stage.send(struct.pack("<iii", 1024, 1024, 1) + struct.pack("<i", 1) + bytes(4 * 32))
+        stage.recv(4)
+    assert stage.proc.returncode == 1   # returned from main, not killed, not exit(3)
+    message = str(caught.value)
+    assert "the engine's dit21 stage (transformer/) ran out of memory: out of memory allocating " in message
+    assert "\n" not in message and "Traceback" not in message
 
 
 def test_doctor_and_plan_understand_the_21_layout(tiny, engine):
@@ -169,3 +177,15 @@ def test_doctor_and_plan_understand_the_21_layout(tiny, engine):
     assert "tokenizer.json" in checks["tokenizer"]["detail"]   # found in processor/
     plan = json.loads(coli("plan", "--model", str(tiny.path), "--ram", "1", "--json").stdout)
     assert set(dict(plan["stages"])) == {"text_encoder", "transformer", "vae"}
+
+
+def test_a_patchified_vae_matches_diffusers(tmp_path, engine):
+    """A VAE with patch_size 2 (conv_out's 16 channels unpatchified into RGBA) and fewer levels, still 16x."""
+    tiny = tiny_model("qwen-image-21", tmp_path / "patched", vae=dict(
+        dim_mult=[1, 1, 2, 2], temperal_downsample=[False, True, False], patch_size=2, in_channels=16,
+        out_channels=16))
+    req = Request("a red fox", width=64, height=32, steps=2, seed=4)
+    trace = Trace()
+    image = open_dir(tiny.path, engine).generate(req, trace)
+    ref_latents, ref_image = run_reference(load_reference(tiny.path), req)
+    image_parity.assert_matches(trace, image, ref_latents, ref_image, 2, (32, 64, 4))

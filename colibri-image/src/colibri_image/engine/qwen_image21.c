@@ -294,14 +294,16 @@ typedef struct {
 } upblock21_t;
 
 int run_vae21(const args_t *a) {
-    int out_ch, patch = arg_int_or(a, "patch", 1);
-    if (arg_int(a, "out_channels", &out_ch)) return -1;
-    if (patch < 1 || patch > 8 || out_ch < 1 || out_ch > 16) {
-        snprintf(g_err, sizeof g_err, "patch=%d or out_channels=%d out of range", patch, out_ch);
+    /* out_channels counts the patchified channels (diffusers unpatchifies conv_out's output) */
+    int rows, out_ch, patch = arg_int_or(a, "patch", 1);
+    if (arg_int(a, "out_channels", &rows)) return -1;
+    if (patch < 1 || patch > 8 || rows < 1 || rows % (patch * patch)) {
+        snprintf(g_err, sizeof g_err, "out_channels=%d is not a multiple of patch_size^2 (patch %d)", rows, patch);
         return -1;
     }
+    out_ch = rows / (patch * patch);
     vae_frame_t v;
-    if (vae_frame_load(&v, a, 0, out_ch * patch * patch)) return -1;
+    if (vae_frame_load(&v, a, 0, rows)) return -1;
     upblock21_t U[8];
     for (int i = 0; i < v.levels; i++) {
         upblock21_t *u = &U[i];
@@ -345,7 +347,7 @@ int run_vae21(const args_t *a) {
             free(copy);
             h *= 2; w *= 2;
         }
-        float *raw = vae_frame_tail(&v, y, h, w), *img = FALLOC((size_t)out_ch * patch * patch * h * w);
+        float *raw = vae_frame_tail(&v, y, h, w), *img = FALLOC((size_t)rows * h * w);
         /* unpatchify: channel c * p * p + a * p + b at (y, x) -> channel c at (y * p + b, x * p + a) */
         int H = h * patch, W = w * patch;
         for (int c = 0; c < out_ch; c++)
