@@ -8,23 +8,16 @@ dynamic-shift schedule reproduced without torch.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-
-from colibri.errors import ConfigError, UsageError  # noqa: E402
-from colibri_image.noise import torch_randn  # noqa: E402
-from colibri_image.pipeline import Pipeline, Request, Trace  # noqa: E402
-
-import image_parity  # noqa: E402
-from image_parity import coli  # noqa: E402
+import image_parity   # first: the module is skipped without torch and diffusers
+from image_parity import coli, torch
+from colibri.errors import ConfigError, UsageError
+from colibri_image.noise import torch_randn
+from colibri_image.pipeline import Pipeline, Request, Trace
 
 SIZE = 32
 STEPS = 3
@@ -84,12 +77,7 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, negative):
 @pytest.mark.parametrize("negative", [None, "blurry"])
 def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
     req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative)
-    ours = Pipeline(tiny.path, engine, weights="int8").generate(req)
-    _, theirs = run_reference(reference, req)
-    psnr = image_parity.psnr(ours, theirs)
-    print(f"int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
-    assert psnr > 35.0
-    assert not np.array_equal(ours, Pipeline(tiny.path, engine).generate(req))   # int8 really ran
+    image_parity.assert_int8_psnr(tiny.path, engine, reference, req, Pipeline.DEFAULT_GUIDANCE, "Qwen-Image")
 
 
 def test_same_seed_same_image_across_threads(tiny, engine):

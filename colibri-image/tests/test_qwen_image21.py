@@ -8,26 +8,19 @@ without true CFG; int8 weights' PSNR; ``coli run`` writes an RGBA PNG.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-
-from colibri.errors import ConfigError  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_image.pipeline import Pipeline, Request, Trace, open_dir  # noqa: E402
-from colibri_image.pipeline21 import Pipeline21  # noqa: E402
-from colibri_image.tiny import prompt_only_processor_from  # noqa: E402
-
-import image_parity  # noqa: E402
-from image_parity import coli  # noqa: E402
+import image_parity   # first: the module is skipped without torch and diffusers
+from image_parity import coli, torch
+from colibri.errors import ConfigError
+from colibri.testing.tiny import tiny_model
+from colibri_image.pipeline import Pipeline, Request, Trace, open_dir
+from colibri_image.pipeline21 import Pipeline21
+from colibri_image.tiny import prompt_only_processor_from
 
 SIZE = 32
 STEPS = 3
@@ -92,12 +85,7 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, prompt, negative, g
 def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
     req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative,
                   guidance=3.0 if negative else None)
-    ours = open_dir(tiny.path, engine, weights="int8").generate(req)
-    _, theirs = run_reference(reference, req)
-    psnr = image_parity.psnr(ours, theirs)
-    print(f"Qwen-Image-2.1 int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
-    assert psnr > 35.0
-    assert not np.array_equal(ours, open_dir(tiny.path, engine).generate(req))   # int8 really ran
+    image_parity.assert_int8_psnr(tiny.path, engine, reference, req, Pipeline21.DEFAULT_GUIDANCE, "Qwen-Image-2.1")
 
 
 def test_configured_sample_sigmas_set_the_schedule(tmp_path, engine):
