@@ -140,7 +140,8 @@ async def _events(pipe: Any, req: Request, lease: Any):
             cancel.cancel()
 
             def release(finished: Any) -> None:
-                finished.exception()   # the EngineError of the cancelled run: expected, nobody to tell
+                if not finished.cancelled():
+                    finished.exception()   # the EngineError of the cancelled run: expected, nobody to tell
                 lease.release()
 
             job.add_done_callback(release)
