@@ -47,7 +47,7 @@ def test_resolve_and_geometry(pipeline):
     assert dict(geo.notes)["unet"] == "diffusers.UNet2DConditionModel"
     assert geo.num_experts == 0 and geo.kv_bytes_per_token == 0 and geo.max_context == 32
     lim = plugin.limits(model=model)
-    assert not lim.has_engine and "runs QwenImagePipeline only" in lim.reason_no_engine
+    assert not lim.has_engine and "runs QwenImagePipeline, QwenImage21Pipeline only" in lim.reason_no_engine
 
 
 def test_weight_files_one_set_per_component(pipeline):

@@ -1,5 +1,6 @@
 """``coli serve`` on a pipeline: ``POST /v1/images/generations`` through the official openai client, the same image
-for the same seed, SSE progress, clear 400s, and an engine killed mid-generation failing only that request."""
+for the same seed (RGB for Qwen-Image, RGBA for 2.1), SSE progress, clear 400s, an engine killed mid-generation
+failing only that request, and a streaming client that leaves cancelling its generation."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from colibri.testing.tiny import tiny_model  # noqa: E402
 COLI = [sys.executable, "-c", "from colibri.cli import main; main()"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = tiny_model("qwen-image", tmp_path_factory.mktemp("tiny-qwen-serve"))
-    port = free_port("127.0.0.1", 18700 + os.getpid() % 1000)
+def serve(tmp_path_factory, kind: str, port_base: int):
+    """``coli serve`` on a tiny pipeline of ``kind``: yields (base URL, process, model dir)."""
+    tiny = tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}-serve"))
+    port = free_port("127.0.0.1", port_base + os.getpid() % 1000)
     proc = subprocess.Popen([*COLI, "serve", "--model", str(tiny.path), "--port", str(port), "--api-key", "sk-test",
                              "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
@@ -53,6 +54,11 @@ def server(tmp_path_factory):
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve(tmp_path_factory, "qwen-image", 18700)
 
 
 def client(base: str) -> "openai.OpenAI":
@@ -101,9 +107,9 @@ def test_stream_reports_every_step(server):
     assert PIL.open(io.BytesIO(base64.b64decode(done["data"][0]["b64_json"]))).size == (32, 32)
 
 
-def dit_stages(model_dir: str) -> list[int]:
+def dit_stages(model_dir: str, stage: str = "dit") -> list[int]:
     """Engine processes running this pipeline's transformer stage (their command line names its folder)."""
-    wanted = f"\x00dit\x00{model_dir}/transformer\x00".encode()
+    wanted = f"\x00{stage}\x00{model_dir}/transformer\x00".encode()
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -138,3 +144,39 @@ def test_engine_killed_mid_generation_fails_that_request_only(server):
     assert reply.status_code == 500
     assert "engine's dit stage" in reply.json()["error"]["message"]
     assert generate(base, seed=3)   # the next request starts fresh engines
+
+
+def test_a_streaming_client_that_leaves_cancels_its_generation(server):
+    base, _, model_dir = server
+    auth = {"Authorization": "Bearer sk-test"}
+    # 1000 steps at 256x256 would hold the only slot for minutes if nothing stopped it
+    with httpx.stream("POST", f"{base}/v1/images/generations", timeout=60, headers=auth,
+                      json={"prompt": "a bird", "size": "256x256", "steps": 1000, "seed": 1,
+                            "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:]).get("step") == 2:
+                break   # leave mid-generation: the connection closes here
+    assert httpx.get(f"{base}/health", timeout=5).json()["slots_busy"] in (0, 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not dit_stages(model_dir) and httpx.get(f"{base}/health", timeout=5).json()["slots_busy"] == 0:
+            break
+        time.sleep(0.1)
+    assert not dit_stages(model_dir), "the stage process outlived its client"
+    assert httpx.get(f"{base}/health", timeout=5).json()["slots_busy"] == 0, "the slot outlived its client"
+    assert generate(base, seed=3)   # and the server goes on
+
+
+@pytest.fixture(scope="module")
+def server21(tmp_path_factory):
+    yield from serve(tmp_path_factory, "qwen-image-21", 19700)
+
+
+def test_qwen_image21_serves_rgba_pngs_fixed_by_the_seed(server21):
+    base = server21[0]
+    first = generate(base, seed=3, size="64x32")
+    image = PIL.open(io.BytesIO(first))
+    assert image.format == "PNG" and image.size == (64, 32) and image.mode == "RGBA"
+    assert generate(base, seed=3, size="64x32") == first
+    assert generate(base, seed=4, size="64x32") != first

@@ -8,36 +8,23 @@ dynamic-shift schedule reproduced without torch.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-
-from colibri import builder  # noqa: E402
-from colibri.errors import ConfigError, UsageError  # noqa: E402
-from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.tiny import tiny_model  # noqa: E402
-from colibri_image.noise import torch_randn  # noqa: E402
-from colibri_image.pipeline import Pipeline, Request, Trace  # noqa: E402
+import image_parity   # first: the module is skipped without torch and diffusers
+from image_parity import coli, torch
+from colibri.errors import ConfigError, UsageError
+from colibri_image.noise import torch_randn
+from colibri_image.pipeline import Pipeline, Request, Trace
 
 SIZE = 32
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model("qwen-image", tmp_path_factory.mktemp("tiny-qwen-image"))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    return builder.engine_for_model(resolve_model(tiny.path))
+engine_fixture = image_parity.engine_fixture   # the "engine" fixture
+tiny = image_parity.tiny_pipeline("qwen-image")
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +36,7 @@ def reference(tiny):
 
 
 def run_reference(pipe, req: Request):
-    latents = []
-
-    def keep(_pipe, _i, _t, kwargs):
-        latents.append(kwargs["latents"][0].numpy().copy())
-        return kwargs
-
-    out = pipe(req.prompt, negative_prompt=req.negative_prompt, true_cfg_scale=req.guidance, height=req.height,
-               width=req.width, num_inference_steps=req.steps, generator=torch.Generator().manual_seed(req.seed),
-               output_type="np", callback_on_step_end=keep)
-    return latents, np.round(out.images[0] * 255).astype(np.uint8)
+    return image_parity.run_reference(pipe, req, Pipeline.DEFAULT_GUIDANCE)
 
 
 @pytest.mark.parametrize("seed,count", [(0, 1024), (42, 1000), (7, 16), (2**32 + 3, 64)])
@@ -93,24 +71,13 @@ def test_pipeline_matches_diffusers(tiny, engine, reference, negative):
         assert np.abs(trace.negative_embeds - neg[0].numpy()).max() < 1e-4
 
     ref_latents, ref_image = run_reference(reference, req)
-    assert len(trace.latents) == len(ref_latents) == STEPS
-    for ours, theirs in zip(trace.latents, ref_latents):
-        assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
-    assert image.shape == ref_image.shape == (SIZE, SIZE, 3)
-    diff = np.abs(image.astype(int) - ref_image.astype(int))
-    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    image_parity.assert_matches(trace, image, ref_latents, ref_image, STEPS, (SIZE, SIZE, 3))
 
 
 @pytest.mark.parametrize("negative", [None, "blurry"])
 def test_int8_weights_psnr_above_35_db(tiny, engine, reference, negative):
     req = Request("a hummingbird in the rain", width=64, height=64, steps=4, seed=5, negative_prompt=negative)
-    ours = Pipeline(tiny.path, engine, weights="int8").generate(req).astype(np.float64)
-    _, theirs = run_reference(reference, req)
-    mse = ((ours - theirs.astype(np.float64)) ** 2).mean()
-    psnr = 10 * np.log10(255.0 ** 2 / mse) if mse else float("inf")
-    print(f"int8 PSNR vs diffusers f32 (negative prompt {negative!r}): {psnr:.1f} dB")
-    assert psnr > 35.0
-    assert not np.array_equal(ours, Pipeline(tiny.path, engine).generate(req))   # int8 really ran
+    image_parity.assert_int8_psnr(tiny.path, engine, reference, req, Pipeline.DEFAULT_GUIDANCE, "Qwen-Image")
 
 
 def test_same_seed_same_image_across_threads(tiny, engine):
@@ -138,14 +105,6 @@ def test_unknown_class_and_missing_component(tiny, engine, tmp_path):
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="'FluxPipeline' is not supported.*QwenImagePipeline"):
         Pipeline(copy, engine)
-
-
-def coli(*args: str, cwd=None):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
 
 
 def test_coli_run_writes_a_png(tiny, engine, tmp_path):

@@ -1,4 +1,5 @@
-"""Drive the colibri-image engine binary through every stage of a tiny QwenImagePipeline, f32 and int8.
+"""Drive the colibri-image engine binary through every stage of tiny QwenImagePipeline and QwenImage21Pipeline,
+f32 and int8.
 
 Used by ``make -C engines test-image`` and ``sanitize-image`` (the same stages under ASan/UBSan, which abort the
 stage on the first error). The pipeline is built here with diffusers and transformers (nothing is committed); the
@@ -21,24 +22,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from colibri_image.pipeline import Pipeline, Request, Trace  # noqa: E402
-from colibri_image.tiny import build_qwen_image_pipeline  # noqa: E402
+from colibri_image.pipeline import Request, Trace, open_dir  # noqa: E402
+from colibri_image.tiny import build_qwen_image21_pipeline, build_qwen_image_pipeline  # noqa: E402
 
 
 def main(binary: str) -> int:
+    failures = 0
     with tempfile.TemporaryDirectory(prefix="colibri-image-session-") as tmp:
-        tiny = build_qwen_image_pipeline(Path(tmp) / "pipe")
-        failures = 0
-        for weights in ("f32", "int8"):
-            req = Request("a hummingbird in the rain", width=64, height=32, steps=2, seed=3,
-                          negative_prompt="blurry")
-            trace = Trace()
-            image = Pipeline(tiny.path, Path(binary), threads=2, weights=weights).generate(req, trace)
-            ok = image.shape == (32, 64, 3) and all(np.isfinite(lat).all() for lat in trace.latents)
-            again = Pipeline(tiny.path, Path(binary), threads=1, weights=weights).generate(req)
-            ok = ok and np.array_equal(image, again)
-            print(f"{'ok' if ok else 'FAIL'}: {weights} stages (text, dit with CFG, vae), 1 and 2 threads agree")
-            failures += not ok
+        for build, channels in ((build_qwen_image_pipeline, 3), (build_qwen_image21_pipeline, 4)):
+            tiny = build(Path(tmp) / build.__name__)
+            for weights in ("f32", "int8"):
+                req = Request("a hummingbird in the rain", width=64, height=32, steps=2, seed=3,
+                              negative_prompt="blurry", guidance=4.0)
+                trace = Trace()
+                image = open_dir(tiny.path, Path(binary), threads=2, weights=weights).generate(req, trace)
+                ok = image.shape == (32, 64, channels) and all(np.isfinite(lat).all() for lat in trace.latents)
+                again = open_dir(tiny.path, Path(binary), threads=1, weights=weights).generate(req)
+                ok = ok and np.array_equal(image, again)
+                print(f"{'ok' if ok else 'FAIL'}: {tiny.kind} {weights} stages (text, dit with CFG, vae), "
+                      "1 and 2 threads agree")
+                failures += not ok
     return 1 if failures else 0
 
 

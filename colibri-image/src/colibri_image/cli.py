@@ -11,9 +11,7 @@ from typing import Any, Mapping
 from colibri.errors import UsageError
 from colibri.records import ResolvedModel, RunOption
 
-DEFAULT_STEPS = 50
 DEFAULT_SIZE = (1024, 1024)
-DEFAULT_GUIDANCE = 4.0
 DEFAULT_WEIGHTS = "int8"
 
 
@@ -21,13 +19,14 @@ def run_options() -> list[RunOption]:
     return [
         RunOption("--out", "Text-to-image: where to write the PNG.", str, "FILE.png"),
         RunOption("--size", "Text-to-image: image size, multiples of 32 (default 1024x1024).", str, "WxH"),
-        RunOption("--steps", f"Text-to-image: denoising steps (default {DEFAULT_STEPS}).", int, "N"),
+        RunOption("--steps", "Text-to-image: denoising steps (default the pipeline's: 50 for Qwen-Image, 40 or its "
+                             "configured sigma grid for 2.1).", int, "N"),
         RunOption("--negative-prompt", "Text-to-image: what to steer away from (true classifier-free guidance).",
                   str, "TEXT"),
         RunOption("--weights", "Text-to-image: int8 (text encoder and transformer matrices per row at load; the "
                                "default) or f32.", str, "int8|f32"),
-        RunOption("--guidance", f"Text-to-image: true CFG scale with a negative prompt (default "
-                                f"{DEFAULT_GUIDANCE}).", float, "G"),
+        RunOption("--guidance", "Text-to-image: true CFG scale with a negative prompt (default the pipeline's: 4 for "
+                                "Qwen-Image, 1 (off) for 2.1).", float, "G"),
     ]
 
 
@@ -47,20 +46,20 @@ def request_from(prompt: str, options: Mapping[str, Any]) -> Any:
 
     width, height = parse_size(options.get("size"))
     seed = options.get("seed")
-    return Request(prompt, width=width, height=height,
-                   steps=DEFAULT_STEPS if options.get("steps") is None else int(options["steps"]),
+    steps, guidance = options.get("steps"), options.get("guidance")
+    return Request(prompt, width=width, height=height, steps=None if steps is None else int(steps),
                    seed=secrets.randbits(32) if seed is None else int(seed),
                    negative_prompt=options.get("negative_prompt"),
-                   guidance=DEFAULT_GUIDANCE if options.get("guidance") is None else float(options["guidance"]))
+                   guidance=None if guidance is None else float(guidance))
 
 
 def open_pipeline(model: ResolvedModel, threads: int | None, weights: str | None = None) -> Any:
     from colibri import builder
 
-    from .pipeline import Pipeline
+    from .pipeline import open_dir
 
     # configs and folders are checked before anything is built
-    pipe = Pipeline(model.path, Path("."), threads, weights or DEFAULT_WEIGHTS)
+    pipe = open_dir(model.path, Path("."), threads, weights or DEFAULT_WEIGHTS)
     engine = builder.engine_for_model(model)
     if engine is None:
         raise UsageError(f"{model.path}: no engine for this pipeline", "coli families lists what colibri-image runs")
@@ -82,8 +81,8 @@ def run(model: ResolvedModel, prompt: str, options: Mapping[str, Any]) -> int:
         raise UsageError(f"--out {out}: colibri-image writes PNG", "give a file name ending in .png")
     if not out_path.parent.is_dir():
         raise UsageError(f"--out {out}: the folder {out_path.parent} does not exist", "create it first")
-    req = request_from(prompt, options)
     pipe = open_pipeline(model, options.get("threads"), options.get("weights"))
+    req = pipe.resolve(request_from(prompt, options))
     pipe.check(req)
     started = time.monotonic()
     step_started = [started]

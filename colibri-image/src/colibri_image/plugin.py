@@ -150,7 +150,9 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"
-ENGINE_PIPELINES = ("QwenImagePipeline",)
+ENGINE_PIPELINES = ("QwenImagePipeline", "QwenImage21Pipeline")
+TOKENIZER_FOLDERS = ("tokenizer", "processor")
+ENGINE_SOURCES = ("image_ops.c", "qwen_image.c", "qwen_image21.c")
 
 
 def _pipeline_class(model: ResolvedModel | None) -> str | None:
@@ -166,7 +168,7 @@ def _pipeline_class(model: ResolvedModel | None) -> str | None:
 def engine_source(model: ResolvedModel | None) -> EngineSource | None:
     if _pipeline_class(model) not in ENGINE_PIPELINES:
         return None
-    return EngineSource("colibri-qwen-image", (ENGINE_DIR / "qwen_image.c",), runtime_api=1)
+    return EngineSource("colibri-qwen-image", tuple(ENGINE_DIR / name for name in ENGINE_SOURCES), runtime_api=1)
 
 
 @hookimpl
@@ -185,11 +187,15 @@ def model_task(model: ResolvedModel) -> str:
 
 @hookimpl
 def load_tokenizer(model: ResolvedModel) -> Any:
-    # diffusers keeps the tokenizer in its own component folder; there is no chat template to look for
+    # diffusers keeps the tokenizer in its own component folder (tokenizer/, or processor/ for pipelines whose text
+    # encoder takes a multimodal processor, as Qwen-Image-2.1); there is no chat template to look for
     from colibri.tokenizer import load_tokenizer_dir
 
-    folder = model.path / "tokenizer"
-    return load_tokenizer_dir(folder, None) if folder.is_dir() else None
+    for name in TOKENIZER_FOLDERS:
+        folder = model.path / name
+        if folder.is_dir():
+            return load_tokenizer_dir(folder, None)
+    return None
 
 
 @hookimpl

@@ -3,7 +3,9 @@
 Each request waits for a place in the server's queue (``--kv-slots`` at once, ``--max-queue`` waiting), then runs
 the pipeline's stages as fresh engine processes: an engine killed mid-generation fails that request with one clear
 error and the next request starts new ones. With ``"stream": true`` the reply is SSE: one
-``image_generation.progress`` event per denoising step, then ``image_generation.completed`` with the image.
+``image_generation.progress`` event per denoising step, then ``image_generation.completed`` with the image. A
+streaming client that disconnects cancels its generation: the running stage process is killed and the queue slot
+released as soon as the generating thread returns.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any, Mapping
 from colibri.errors import ColibriError
 from colibri.records import ResolvedModel, RouteSpec
 
-from .cli import DEFAULT_GUIDANCE, DEFAULT_STEPS, open_pipeline
-from .pipeline import Request
+from .cli import open_pipeline
+from .pipeline import Cancel, Request
 from .png import encode_png
 
 PATH = "/v1/images/generations"
@@ -57,10 +59,11 @@ def parse_request(body: Mapping[str, Any], pipe: Any) -> tuple[Request, bool]:
     if len(parts) != 2 or not all(p.isdigit() and len(p) <= 5 for p in parts):
         raise _api_error(400, f"'size' {size!r} is not WIDTHxHEIGHT", param="size")
     seed = _field(body, "seed", int)
-    req = Request(prompt, width=int(parts[0]), height=int(parts[1]), steps=_field(body, "steps", int, DEFAULT_STEPS),
-                  seed=seed if seed is not None else secrets.randbits(32),
-                  negative_prompt=_field(body, "negative_prompt", str),
-                  guidance=float(_field(body, "guidance", (int, float), DEFAULT_GUIDANCE)))
+    guidance = _field(body, "guidance", (int, float))
+    req = pipe.resolve(Request(prompt, width=int(parts[0]), height=int(parts[1]), steps=_field(body, "steps", int),
+                               seed=seed if seed is not None else secrets.randbits(32),
+                               negative_prompt=_field(body, "negative_prompt", str),
+                               guidance=None if guidance is None else float(guidance)))
     if not 0 <= req.seed < 2 ** 63:
         raise _api_error(400, "'seed' must be between 0 and 2**63 - 1", param="seed")
     try:
@@ -109,7 +112,8 @@ async def _events(pipe: Any, req: Request, lease: Any):
     def progress(done: int, total: int) -> None:
         loop.call_soon_threadsafe(steps.put_nowait, (done, total))
 
-    job = asyncio.ensure_future(asyncio.to_thread(pipe.generate, req, None, progress))
+    cancel = Cancel()
+    job = asyncio.ensure_future(asyncio.to_thread(pipe.generate, req, None, progress, cancel))
     try:
         while not job.done() or not steps.empty():
             getter = asyncio.ensure_future(steps.get())
@@ -128,4 +132,16 @@ async def _events(pipe: Any, req: Request, lease: Any):
             return
         yield event_frame("image_generation.completed", {"type": "image_generation.completed", **_reply(req, image)})
     finally:
-        lease.release()
+        if job.done():
+            lease.release()
+        else:
+            # The client went away mid-generation (the response task is being cancelled): kill the running stage so
+            # its memory goes now, and give the slot back once the generating thread has seen that and returned.
+            cancel.cancel()
+
+            def release(finished: Any) -> None:
+                if not finished.cancelled():
+                    finished.exception()   # the EngineError of the cancelled run: expected, nobody to tell
+                lease.release()
+
+            job.add_done_callback(release)
