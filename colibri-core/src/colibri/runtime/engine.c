@@ -783,20 +783,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             E->stream.experts_top_p = p >= 1 ? 0.0f : (float)p;
         }
         else if (!strcmp(a, "--set")) {
-            const char *eq = v ? strchr(v, '=') : NULL;
-            if (!eq || eq == v) { snprintf(err, ERRLEN, "--set needs key=value, got %s", v ? v : "nothing"); return -1; }
-            char **k = realloc(hp->keys, (size_t)(hp->n + 1) * sizeof *k);
-            if (k) hp->keys = k;
-            char **vv = realloc(hp->values, (size_t)(hp->n + 1) * sizeof *vv);
-            if (vv) hp->values = vv;
-            int *u = realloc(hp->used, (size_t)(hp->n + 1) * sizeof *u);
-            if (u) hp->used = u;
-            if (!k || !vv || !u) { snprintf(err, ERRLEN, "out of memory"); return -1; }
-            hp->keys[hp->n] = strndup(v, (size_t)(eq - v));
-            hp->values[hp->n] = strdup(eq + 1);
-            hp->used[hp->n] = 0;
-            hp->n++;
-            if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
+            if (cb_hp_add(hp, v, err, ERRLEN)) return -1;
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
                                   "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
@@ -811,16 +798,6 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         return -1;
     }
     return 0;
-}
-
-static void free_hparams(cb_hparams *hp) {
-    for (int i = 0; i < hp->n; i++) {
-        free(hp->keys[i]);
-        free(hp->values[i]);
-    }
-    free(hp->keys);
-    free(hp->values);
-    free(hp->used);
 }
 
 static int alloc_slots(engine_t *E, char *err) {
@@ -963,6 +940,6 @@ out_threads:
     cb_experts_io_shutdown();
     cb_threads_shutdown();
 out:
-    free_hparams(&hp);
+    cb_hp_free(&hp);
     return rc;
 }
