@@ -16,7 +16,10 @@ from typing import Any, Mapping
 from colibri import configs, hookimpl
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
-from colibri.records import Claim, FamilyDescriptor, Geometry, Limits, ResolvedModel, TensorLayout
+from colibri.records import Claim, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, \
+    TensorLayout
+
+from . import gliner2
 
 FAMILY = "decision"
 MODEL_TYPES = ("extractor", "laya")
@@ -102,11 +105,7 @@ def _laya_layout(model: ResolvedModel) -> TensorLayout:
 
 
 def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
-    where = f"{model.path / 'config.json'} (encoder_config)"
-    enc = model.config.get("encoder_config")
-    if not isinstance(enc, Mapping):
-        raise ConfigError(f"{model.path / 'config.json'}: no 'encoder_config' object",
-                          "an extractor checkpoint must describe its encoder; restore the original config.json")
+    enc, where = gliner2.encoder_config(model)
     kind = str(enc.get("model_type") or "bert")
     if kind not in ENCODER_TYPES:
         raise ConfigError(f"{where}: encoder model_type {kind!r} is not supported",
@@ -181,6 +180,53 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         required=tuple(prefixed + heads))
 
 
+def _gliner2_problem(model: ResolvedModel) -> str:
+    """Why the extractor at ``model`` has no engine ('' when the GLiNER2 engine runs it)."""
+    enc, _, _ = _encoder(model)
+    return gliner2.engine_problem(enc)
+
+
+def _gliner2_engine(model: ResolvedModel) -> EngineSource | None:
+    return None if _gliner2_problem(model) else EngineSource("colibri-gliner2", (gliner2.ENGINE,), runtime_api=1)
+
+
+def _gliner2_env(model: ResolvedModel) -> EngineEnv:
+    return EngineEnv(args=gliner2.engine_hparams(model))
+
+
+def _gliner2_decider(model: ResolvedModel, tokenizer: Any) -> Any:
+    from colibri import hooks
+
+    return gliner2.Gliner2Decider(tokenizer if tokenizer is not None else hooks.load_tokenizer(model))
+
+
+# model type -> (engine source, engine arguments, decider) of the model types that have an engine
+ENGINES: dict[str, tuple[Any, Any, Any]] = {
+    "extractor": (_gliner2_engine, _gliner2_env, _gliner2_decider),
+}
+
+
+@hookimpl
+def engine_source(model: ResolvedModel | None) -> EngineSource | None:
+    if model is None or model.family != FAMILY or model.model_type not in ENGINES:
+        return None
+    return ENGINES[model.model_type][0](model)
+
+
+@hookimpl
+def build_env(model: ResolvedModel, plan: Any) -> EngineEnv | None:
+    if model.family != FAMILY or model.model_type not in ENGINES:
+        return None
+    return ENGINES[model.model_type][1](model)
+
+
+@hookimpl
+def decider(model: ResolvedModel, tokenizer: Any) -> Any:
+    if model.family != FAMILY or model.model_type not in ENGINES:
+        return None
+    return ENGINES[model.model_type][2](model, tokenizer)
+
+
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     if model.model_type == "laya":
@@ -188,5 +234,5 @@ def limits(model: ResolvedModel) -> Limits:
         return Limits(max_context=configs.max_context(enc), has_engine=False,
                       reason_no_engine=f"no engine for Laya checkpoints yet ({FAMILY} family)")
     enc, _, _ = _encoder(model)
-    return Limits(max_context=configs.max_context(enc), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+    problem = gliner2.engine_problem(enc)
+    return Limits(max_context=configs.max_context(enc), has_engine=not problem, reason_no_engine=problem)

@@ -1,5 +1,6 @@
-"""Tiny random-weight decision checkpoints for tests (``colibri.testing.tiny.tiny_model("extractor" | "laya", ...)``):
-a GLiNER2-style transformers encoder plus span/classifier heads, and a Laya checkpoint built with laya's classes.
+"""Tiny random-weight decision checkpoints for tests (``colibri.testing.tiny.tiny_model("extractor" | "laya" |
+"gliner2", ...)``): a GLiNER2-style transformers encoder plus span/classifier heads, a Laya checkpoint built with
+laya's classes, and a GLiNER2 checkpoint built with gliner2's (tiny_gliner2.py).
 
 Registered under the entry-point group ``colibri.testing.tiny``.
 """
@@ -13,6 +14,8 @@ from typing import Any
 from colibri.testing.tiny import (
     VOCAB, ChatStyle, TinyModel, redraw_weights, stored_elements, train_tokenizer, write_json,
 )
+
+from .tiny_gliner2 import build_gliner2   # a GLiNER2 checkpoint, built by the gliner2 package's own classes
 
 # The encoder's tokenizer: a byte-level BPE with end-of-text and padding tokens (the heads never read a chat
 # template; one is written so the checkpoint looks like any other).
@@ -130,4 +133,4 @@ def build_laya(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float
     return TinyModel(out, "laya", "laya", int(num), stored_elements(out))
 
 
-TINY_MODELS = {"extractor": build_extractor, "laya": build_laya}
+TINY_MODELS = {"extractor": build_extractor, "laya": build_laya, "gliner2": build_gliner2}
