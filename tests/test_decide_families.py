@@ -28,6 +28,7 @@ from colibri.decision import check_state, load_settings, parse_questions  # noqa
 from colibri.decision.prompts import build_prompts, shared_state_tokens  # noqa: E402
 from colibri.server.codec import TokenizerCodec  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
+from colibri.testing.checks import assert_answers_close as assert_close  # noqa: E402
 from colibri.testing.parity import CACHE_SIZES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
@@ -90,17 +91,6 @@ def load_reference(path: Path):
         data["model_type"] = REFERENCE_TYPE[data["model_type"]]
         config = transformers.AutoConfig.for_model(**data)
     return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
-
-
-def assert_close(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
-        for key in want:
-            assert_close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, float):
-        assert abs(got - want) <= TOL, f"{where}: {got} vs {want}"
-    else:
-        assert got == want, where
 
 
 def shared_tokens(tok, settings, state) -> tuple[int, int]:

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from colibri.model import resolve_model  # noqa: E402
 from colibri.decision import parse_questions  # noqa: E402
 from colibri.tokenizer import load_tokenizer_dir  # noqa: E402
-from colibri_decision import gliner2  # noqa: E402
+from colibri_decision import gliner2, plugin  # noqa: E402
 from colibri_decision.tiny_gliner2 import build_gliner2  # noqa: E402
 
 QUESTIONS = {"tone": {"type": "choice", "instructions": "Tone?", "criteria": {"calm": None, "pushy": "pressure"}},
@@ -66,7 +66,7 @@ def main(binary: str) -> int:
         failures = 0
         scores = []
         for threads in (1, 2):
-            events = session(binary, tiny.path, threads, gliner2.engine_hparams(model), lines)
+            events = session(binary, tiny.path, threads, plugin.build_env(model=model, plan=None).args, lines)
             ready = events[0]
             ok = ready["ev"] == "ready" and ready["abilities"] == ["decide"] and ready["outputs"] == 1
             decisions = [e for e in events if e["ev"] == "decision"]

@@ -37,8 +37,6 @@ from typing import Any, Mapping
 from colibri import configs
 from colibri.decision import Decision, DecisionInputError, Question, parse_questions
 from colibri.decision.prompts import content_text
-from colibri.errors import ConfigError
-from colibri.records import ResolvedModel
 
 ENCODER_DIR = "encoder_config"      # GLiNER2's save_pretrained writes the encoder's config.json there
 ENGINE = Path(__file__).resolve().parent / "engine" / "gliner2.c"
@@ -58,27 +56,6 @@ ENCODER_FIELDS: dict[str, Any] = {
 }
 
 
-def encoder_config(model: ResolvedModel) -> tuple[Mapping[str, Any], str]:
-    """(the encoder's config, where it was read): ``encoder_config/config.json`` as GLiNER2 saves it, else an
-    ``encoder_config`` object inside config.json."""
-    inline = model.config.get("encoder_config")
-    if isinstance(inline, Mapping):
-        return inline, f"{model.path / 'config.json'} (encoder_config)"
-    path = model.path / ENCODER_DIR / "config.json"
-    fix = "a GLiNER2 checkpoint ships encoder_config/config.json (what GLiNER2's save_pretrained writes)"
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing (and config.json has no 'encoder_config' object)", fix) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not readable JSON ({exc})", fix) from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: not a JSON object", fix)
-    return data, str(path)
-
-
 def engine_problem(enc: Mapping[str, Any]) -> str:
     """Why the GLiNER2 engine cannot run this encoder ('' when it can)."""
     kind = str(enc.get("model_type") or "bert").replace("_", "-")
@@ -94,9 +71,9 @@ def engine_problem(enc: Mapping[str, Any]) -> str:
     return ""
 
 
-def engine_hparams(model: ResolvedModel) -> tuple[str, ...]:
-    """``--set`` arguments of the engine, from the encoder's config (every spelling handled here, not in C)."""
-    enc, where = encoder_config(model)
+def engine_hparams(enc: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    """``--set`` arguments of the engine, from the encoder's config read at ``where`` (every spelling handled here,
+    not in C)."""
     args: list[str] = []
     for key, default in ENCODER_FIELDS.items():
         if default is None and key != "pos_att_type":

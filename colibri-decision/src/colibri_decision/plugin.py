@@ -105,7 +105,16 @@ def _laya_layout(model: ResolvedModel) -> TensorLayout:
 
 
 def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
-    enc, where = gliner2.encoder_config(model)
+    """(the encoder's config, where it was read, its kind): an ``encoder_config`` object inside config.json, else
+    ``encoder_config/config.json`` as GLiNER2's own ``save_pretrained`` writes it."""
+    enc = model.config.get("encoder_config")
+    where = f"{model.path / 'config.json'} (encoder_config)"
+    if not isinstance(enc, Mapping):
+        path = model.path / gliner2.ENCODER_DIR / "config.json"
+        fix = "an extractor checkpoint describes its encoder in encoder_config/config.json (what GLiNER2 saves)"
+        if not path.is_file():
+            raise ConfigError(f"{model.path / 'config.json'}: no 'encoder_config' object and no {path}", fix)
+        enc, where = _read_json(path, fix), str(path)
     kind = str(enc.get("model_type") or "bert")
     if kind not in ENCODER_TYPES:
         raise ConfigError(f"{where}: encoder model_type {kind!r} is not supported",
@@ -191,7 +200,8 @@ def _gliner2_engine(model: ResolvedModel) -> EngineSource | None:
 
 
 def _gliner2_env(model: ResolvedModel) -> EngineEnv:
-    return EngineEnv(args=gliner2.engine_hparams(model))
+    enc, where, _ = _encoder(model)
+    return EngineEnv(args=gliner2.engine_hparams(enc, where))
 
 
 def _gliner2_decider(model: ResolvedModel, tokenizer: Any) -> Any:

@@ -8,6 +8,8 @@
 #include "decide.h"
 #include "encoder_engine.h"
 #include "engine.h"
+#include "events.h"
+#include "hparams.h"
 #include "json.h"
 #include "kernels.h"
 
@@ -23,32 +25,12 @@ typedef struct {
     cb_buf out;
 } encoder_t;
 
-static void emit(encoder_t *E) {
-    cb_buf_puts(&E->out, "\n");
-    if (!E->out.failed) fwrite(E->out.data, 1, E->out.len, stdout);
-    fflush(stdout);
-    cb_buf_reset(&E->out);
-}
+static void emit(encoder_t *E) { cb_emit_line(&E->out); }
 
 static void emit_error(encoder_t *E, int has_id, int64_t id, const char *code, const char *message) {
-    cb_buf_puts(&E->out, "{\"ev\":\"error\",\"id\":");
-    if (has_id) cb_buf_printf(&E->out, "%lld", (long long)id);
-    else cb_buf_puts(&E->out, "null");
-    cb_buf_printf(&E->out, ",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(&E->out, message);
-    cb_buf_puts(&E->out, "}");
-    emit(E);
+    cb_emit_error(&E->out, has_id, id, code, message);
 }
 
-static void emit_fatal(const char *code, const char *message) {
-    cb_buf b = {0};
-    cb_buf_printf(&b, "{\"ev\":\"fatal\",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(&b, message);
-    cb_buf_puts(&b, "}\n");
-    if (!b.failed) fwrite(b.data, 1, b.len, stdout);
-    fflush(stdout);
-    cb_buf_free(&b);
-}
 
 static double now_s(void) {
     struct timespec ts;
@@ -56,16 +38,6 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int int_arg(const char *flag, const char *v, int lo, int hi, int *out, char *err) {
-    char *end;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || end == v || *end || x < lo || x > hi) {
-        snprintf(err, ERRLEN, "%s needs an integer in [%d, %d], got %s", flag, lo, hi, v ? v : "nothing");
-        return -1;
-    }
-    *out = (int)x;
-    return 0;
-}
 
 /* The streaming flags core may pass any engine; an encoder has no experts to stream, so they change nothing. */
 static const char *const IGNORED[] = {"--prefill-chunk", "--prefetch", "--pin", "--lookahead", "--preload",
@@ -76,83 +48,48 @@ static int parse_args(encoder_t *E, int argc, char **argv, const char **model_di
     *model_dir = NULL;
     E->ctx = 512;
     E->n_slots = 1;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int rc = 0, ignored = 0;
+        int ignored = 0;
         for (int k = 0; IGNORED[k]; k++) ignored |= !strcmp(a, IGNORED[k]);
-        if (!strcmp(a, "--model")) {
-            if (!v) {
-                snprintf(err, ERRLEN, "--model needs a directory");
-                return -1;
-            }
-            *model_dir = v;
-        } else if (!strcmp(a, "--ctx")) rc = int_arg(a, v, 1, 1 << 20, &E->ctx, err);
-        else if (!strcmp(a, "--slots")) rc = int_arg(a, v, 1, 1024, &E->n_slots, err);
-        else if (!strcmp(a, "--cap")) rc = int_arg(a, v, 0, 1 << 24, &E->cap, err);
-        else if (!strcmp(a, "--threads")) rc = int_arg(a, v, 0, 4096, &E->threads, err);
-        else if (!strcmp(a, "--set")) rc = cb_hp_add(hp, v, err, ERRLEN);
-        else if (ignored) {
-            if (!v) {
-                snprintf(err, ERRLEN, "%s needs a value", a);
-                return -1;
-            }
-        } else {
+        int rc = !strcmp(a, "--ctx")       ? cb_parse_int_arg(a, v, 1, 1 << 20, &E->ctx, err, ERRLEN)
+                 : !strcmp(a, "--slots")   ? cb_parse_int_arg(a, v, 1, 1024, &E->n_slots, err, ERRLEN)
+                 : !strcmp(a, "--cap")     ? cb_parse_int_arg(a, v, 0, 1 << 24, &E->cap, err, ERRLEN)
+                 : !strcmp(a, "--threads") ? cb_parse_int_arg(a, v, 0, 4096, &E->threads, err, ERRLEN)
+                 : !strcmp(a, "--set")     ? cb_hp_add(hp, v, err, ERRLEN)
+                 : 0;
+        if (rc) return -1;
+        if (!strcmp(a, "--model")) *model_dir = v;
+        else if (!ignored && strcmp(a, "--ctx") && strcmp(a, "--slots") && strcmp(a, "--cap") &&
+                 strcmp(a, "--threads") && strcmp(a, "--set")) {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set)", a);
             return -1;
         }
-        if (rc) return -1;
-        i++;
+        if (!v) {
+            snprintf(err, ERRLEN, "%s needs a value", a);
+            return -1;
+        }
     }
-    if (!*model_dir) {
-        snprintf(err, ERRLEN, "--model DIR is required");
-        return -1;
-    }
-    return 0;
+    if (*model_dir) return 0;
+    snprintf(err, ERRLEN, "--model DIR is required");
+    return -1;
 }
 
-static int int_field(const cb_json *req, const char *key, int64_t def, int64_t lo, int64_t hi, int64_t *out,
-                     char *err) {
-    const cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !v->is_int || v->inum < lo || v->inum > hi) {
-        snprintf(err, ERRLEN, "field \"%s\" must be an integer in [%lld, %lld]", key, (long long)lo, (long long)hi);
-        return -1;
-    }
-    *out = v->inum;
-    return 0;
-}
 
-/* The prompt's token ids (validated against the vocabulary) into a fresh array; -1 with a message. */
+/* The prompt's token ids (validated against the vocabulary) into a fresh array: 0, -1 (bad_request) or -2
+ * (context_exceeded) with a message. */
 static int prompt_field(const encoder_t *E, const cb_json *req, int **ids, int *n, char *err) {
-    const cb_json *v = cb_json_get(req, "prompt");
-    *ids = NULL;
-    if (!v || v->type != CB_JARR || !v->len) {
+    if (cb_json_ids_field(req, "prompt", E->info.vocab, ids, n, err, ERRLEN)) return -1;
+    if (!*n) {
         snprintf(err, ERRLEN, "field \"prompt\" must be a non-empty array of token ids");
         return -1;
     }
-    if (v->len > (size_t)E->ctx) {
-        snprintf(err, ERRLEN, "prompt of %zu tokens exceeds the context of %d tokens", v->len, E->ctx);
+    if (*n > E->ctx) {
+        snprintf(err, ERRLEN, "prompt of %d tokens exceeds the context of %d tokens", *n, E->ctx);
+        free(*ids);
+        *ids = NULL;
         return -2;
     }
-    *ids = malloc(v->len * sizeof(int));
-    if (!*ids) {
-        snprintf(err, ERRLEN, "out of memory");
-        return -1;
-    }
-    for (size_t i = 0; i < v->len; i++) {
-        const cb_json *t = v->items[i];
-        if (t->type != CB_JNUM || !t->is_int || t->inum < 0 || t->inum >= E->info.vocab) {
-            snprintf(err, ERRLEN, "field \"prompt\"[%zu] is not a token id in [0, %d)", i, E->info.vocab);
-            free(*ids);
-            *ids = NULL;
-            return -1;
-        }
-        (*ids)[i] = (int)t->inum;
-    }
-    *n = (int)v->len;
     return 0;
 }
 
@@ -160,7 +97,7 @@ static int prompt_field(const encoder_t *E, const cb_json *req, int **ids, int *
 static int do_decide(encoder_t *E, const cb_json *req, int64_t id, char *err) {
     int64_t slot;
     int *prompt = NULL, n = 0;
-    if (int_field(req, "slot", 0, 0, E->n_slots - 1, &slot, err)) {
+    if (cb_json_int_field(req, "slot", 0, 0, 0, E->n_slots - 1, &slot, err, ERRLEN)) {
         emit_error(E, 1, id, "bad_request", err);
         return 0;
     }
@@ -230,7 +167,7 @@ static int handle_line(encoder_t *E, const char *line, size_t n) {
         if (!has_id) emit_error(E, 0, 0, "bad_request", "a decide needs an integer \"id\"");
         else if (do_decide(E, req, id, err)) {
             emit_error(E, 1, id, "internal", err);
-            emit_fatal("internal", err);
+            cb_emit_fatal("internal", err);
             rc = -1;
         }
     } else if (!strcmp(op->str, "submit")) {
@@ -239,7 +176,7 @@ static int handle_line(encoder_t *E, const char *line, size_t n) {
         emit_error(E, has_id, id, "bad_request", "no running sequence has this id");
     } else if (!strcmp(op->str, "reset")) {
         int64_t slot;
-        if (int_field(req, "slot", 0, 0, E->n_slots - 1, &slot, err)) emit_error(E, has_id, id, "bad_request", err);
+        if (cb_json_int_field(req, "slot", 0, 0, 0, E->n_slots - 1, &slot, err, ERRLEN)) emit_error(E, has_id, id, "bad_request", err);
     } else if (!strcmp(op->str, "stats")) {
         cb_buf_printf(&E->out, "{\"ev\":\"stats\",\"expert_hits\":0,\"expert_misses\":0,\"hit_rate\":0,"
                                "\"expert_bytes_read\":0,\"expert_reads\":0,\"prefilled_tokens\":%llu,"
@@ -292,58 +229,57 @@ static int serve(encoder_t *E) {
     return rc;
 }
 
+/* Parse the command line, start the threads and load the model: NULL, or the fatal code with a message in err. */
+static const char *start(encoder_t *E, int argc, char **argv, cb_hparams *hp, char *err) {
+    const char *model_dir;
+    if (parse_args(E, argc, argv, &model_dir, hp, err)) return "bad_args";
+    if (cb_threads_init(E->threads)) {
+        snprintf(err, ERRLEN, "cannot start the compute threads");
+        return "internal";
+    }
+    cb_load_args la = {model_dir, E->ctx, E->n_slots, E->cap, E->threads, E->ctx, hp};
+    err[0] = 0;
+    if (E->fam->load(&E->model, &la, &E->info, err, ERRLEN)) {
+        E->model = NULL;
+        if (!err[0]) snprintf(err, ERRLEN, "loading the model failed");
+        return "load";
+    }
+    if (cb_hp_check_used(hp, E->fam->name, err, ERRLEN)) return "bad_args";
+    if (E->info.vocab < 1 || E->info.outputs < 1) {
+        snprintf(err, ERRLEN, "the family reported an invalid model geometry");
+        return "load";
+    }
+    if (E->info.max_positions > 0 && E->ctx > E->info.max_positions) {
+        snprintf(err, ERRLEN, "--ctx %d: the encoder reads at most %d positions", E->ctx, E->info.max_positions);
+        return "bad_args";
+    }
+    return NULL;
+}
+
 int cb_encoder_main(int argc, char **argv, const cb_encoder_family *family) {
     encoder_t E;
     memset(&E, 0, sizeof E);
     E.fam = family;
     cb_hparams hp = {0};
     char err[ERRLEN];
-    const char *model_dir;
     int rc = 2;
-    if (parse_args(&E, argc, argv, &model_dir, &hp, err)) {
-        emit_fatal("bad_args", err);
-        goto out;
+    const char *fatal = start(&E, argc, argv, &hp, err);
+    if (fatal) {
+        cb_emit_fatal(fatal, err);
+    } else {
+        cb_buf_puts(&E.out, "{\"ev\":\"ready\",\"family\":");
+        cb_buf_json_str(&E.out, family->name);
+        cb_buf_printf(&E.out, ",\"vocab\":%d,\"outputs\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,"
+                              "\"isa\":\"%s\",\"dense_bytes\":%zu,\"kv_bytes\":0,\"state_bytes\":0,"
+                              "\"expert_cache_bytes\":0,\"preloaded_bytes\":0,\"staging_bytes\":0,\"hotset\":\"none\","
+                              "\"abilities\":[\"decide\"]}",
+                      E.info.vocab, E.info.outputs, E.ctx, E.n_slots, E.cap, cb_threads_count(),
+                      cb_isa_name(cb_get_isa()), E.info.dense_bytes);
+        emit(&E);
+        rc = serve(&E) ? 2 : 0;
     }
-    if (cb_threads_init(E.threads)) {
-        emit_fatal("internal", "cannot start the compute threads");
-        goto out;
-    }
-    cb_load_args la = {model_dir, E.ctx, E.n_slots, E.cap, E.threads, E.ctx, &hp};
-    err[0] = 0;
-    if (family->load(&E.model, &la, &E.info, err, sizeof err)) {
-        E.model = NULL;
-        emit_fatal("load", err[0] ? err : "loading the model failed");
-        goto out_threads;
-    }
-    for (int i = 0; i < hp.n; i++)
-        if (!hp.used[i]) {
-            snprintf(err, ERRLEN, "--set %s: not a hyperparameter of the %s engine", hp.keys[i], family->name);
-            emit_fatal("bad_args", err);
-            goto out_threads;
-        }
-    if (E.info.vocab < 1 || E.info.outputs < 1) {
-        emit_fatal("load", "the family reported an invalid model geometry");
-        goto out_threads;
-    }
-    if (E.info.max_positions > 0 && E.ctx > E.info.max_positions) {
-        snprintf(err, ERRLEN, "--ctx %d: the encoder reads at most %d positions", E.ctx, E.info.max_positions);
-        emit_fatal("bad_args", err);
-        goto out_threads;
-    }
-    cb_buf_puts(&E.out, "{\"ev\":\"ready\",\"family\":");
-    cb_buf_json_str(&E.out, family->name);
-    cb_buf_printf(&E.out, ",\"vocab\":%d,\"outputs\":%d,\"ctx\":%d,\"slots\":%d,\"cap\":%d,\"threads\":%d,"
-                          "\"isa\":\"%s\",\"dense_bytes\":%zu,\"kv_bytes\":0,\"state_bytes\":0,"
-                          "\"expert_cache_bytes\":0,\"preloaded_bytes\":0,\"staging_bytes\":0,\"hotset\":\"none\","
-                          "\"abilities\":[\"decide\"]}",
-                  E.info.vocab, E.info.outputs, E.ctx, E.n_slots, E.cap, cb_threads_count(),
-                  cb_isa_name(cb_get_isa()), E.info.dense_bytes);
-    emit(&E);
-    rc = serve(&E) ? 2 : 0;
-out_threads:
     if (E.model) family->free(E.model);
     cb_threads_shutdown();
-out:
     cb_buf_free(&E.out);
     cb_hp_free(&hp);
     return rc;

@@ -17,6 +17,7 @@
 
 #include "expert_stats.h"
 #include "decide.h"
+#include "events.h"
 #include "json.h"
 #include "kernels.h"
 #include "logits_procs.h"
@@ -95,38 +96,13 @@ size_t cb_rss_bytes(void) {
     return ok && page > 0 ? (size_t)resident * (size_t)page : 0;
 }
 
-static void emit(engine_t *E) {
-    cb_buf_put(&E->out, "\n", 1);
-    if (!E->out.failed) {
-        fwrite(E->out.data, 1, E->out.len, stdout);
-        fflush(stdout);
-    }
-    cb_buf_reset(&E->out);
-}
+static void emit(engine_t *E) { cb_emit_line(&E->out); }
 
 static void emit_error(engine_t *E, int has_id, int64_t id, const char *code, const char *message) {
-    cb_buf *b = &E->out;
-    cb_buf_puts(b, "{\"ev\":\"error\",\"id\":");
-    if (has_id) cb_buf_printf(b, "%lld", (long long)id);
-    else cb_buf_puts(b, "null");
-    cb_buf_printf(b, ",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(b, message);
-    cb_buf_puts(b, "}");
-    emit(E);
+    cb_emit_error(&E->out, has_id, id, code, message);
 }
 
-static void emit_fatal(const char *code, const char *message) {
-    cb_buf b = {0};
-    cb_buf_printf(&b, "{\"ev\":\"fatal\",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(&b, message);
-    cb_buf_puts(&b, "}\n");
-    if (!b.failed) {
-        fwrite(b.data, 1, b.len, stdout);
-        fflush(stdout);
-    }
-    fprintf(stderr, "fatal: %s\n", message);
-    cb_buf_free(&b);
-}
+static void emit_fatal(const char *code, const char *message) { cb_emit_fatal(code, message); }
 
 static void put_float(cb_buf *b, double v) {
     if (isfinite(v)) cb_buf_printf(b, "%.9g", v);
@@ -404,21 +380,7 @@ static int step(engine_t *E, slot_t *s, char *err) {
 
 static int int_field(cb_json *req, const char *key, int required, int64_t def, int64_t lo, int64_t hi,
                      int64_t *out, char *err) {
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        if (required) {
-            snprintf(err, ERRLEN, "missing field \"%s\"", key);
-            return -1;
-        }
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !v->is_int || v->inum < lo || v->inum > hi) {
-        snprintf(err, ERRLEN, "field \"%s\" must be an integer in [%lld, %lld]", key, (long long)lo, (long long)hi);
-        return -1;
-    }
-    *out = v->inum;
-    return 0;
+    return cb_json_int_field(req, key, required, def, lo, hi, out, err, ERRLEN);
 }
 
 static int num_field(cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err) {
@@ -427,32 +389,7 @@ static int num_field(cb_json *req, const char *key, double def, double lo, doubl
 
 /* An optional array of token ids (each in [0, vocab)); NULL/0 when absent. */
 static int ids_field(cb_json *req, const char *key, int vocab, int **out, int *n, char *err) {
-    *out = NULL;
-    *n = 0;
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) return 0;
-    if (v->type != CB_JARR) {
-        snprintf(err, ERRLEN, "field \"%s\" must be an array of token ids", key);
-        return -1;
-    }
-    if (!v->len) return 0;
-    *out = malloc(v->len * sizeof(int));
-    if (!*out) {
-        snprintf(err, ERRLEN, "out of memory");
-        return -1;
-    }
-    for (size_t i = 0; i < v->len; i++) {
-        cb_json *t = v->items[i];
-        if (t->type != CB_JNUM || !t->is_int || t->inum < 0 || t->inum >= vocab) {
-            snprintf(err, ERRLEN, "field \"%s\"[%zu] is not a token id in [0, %d)", key, i, vocab);
-            free(*out);
-            *out = NULL;
-            return -1;
-        }
-        (*out)[i] = (int)t->inum;
-    }
-    *n = (int)v->len;
-    return 0;
+    return cb_json_ids_field(req, key, vocab, out, n, err, ERRLEN);
 }
 
 static slot_t *find_seq(engine_t *E, int64_t id) {
@@ -717,15 +654,7 @@ static void read_input(engine_t *E, int block) {
 /* ---- arguments and main loop ---- */
 
 static int parse_int_arg(const char *flag, const char *v, int lo, int hi, int *out, char *err) {
-    char *end;
-    errno = 0;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || errno || end == v || *end || x < lo || x > hi) {
-        snprintf(err, ERRLEN, "%s needs an integer in [%d, %d], got %s", flag, lo, hi, v ? v : "nothing");
-        return -1;
-    }
-    *out = (int)x;
-    return 0;
+    return cb_parse_int_arg(flag, v, lo, hi, out, err, ERRLEN);
 }
 
 static int parse_switch(const char *flag, const char *v, int *out, char *err) {
@@ -869,12 +798,10 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("load", err[0] ? err : "loading the model failed");
         goto out_threads;
     }
-    for (int i = 0; i < hp.n; i++)
-        if (!hp.used[i]) {
-            snprintf(err, ERRLEN, "--set %s: not a hyperparameter of the %s engine", hp.keys[i], family->name);
-            emit_fatal("bad_args", err);
-            goto out_threads;
-        }
+    if (cb_hp_check_used(&hp, family->name, err, ERRLEN)) {
+        emit_fatal("bad_args", err);
+        goto out_threads;
+    }
     if (E.info.vocab < 1 || E.info.n_layers < 0 || E.info.kv_dim < 0) {
         emit_fatal("load", "the family reported an invalid model geometry");
         goto out_threads;

@@ -249,6 +249,15 @@ int cb_hp_add(cb_hparams *hp, const char *arg, char *err, size_t errlen) {
     return 0;
 }
 
+int cb_hp_check_used(const cb_hparams *hp, const char *engine, char *err, size_t errlen) {
+    for (int i = 0; i < hp->n; i++)
+        if (!hp->used[i]) {
+            snprintf(err, errlen, "--set %s: not a hyperparameter of the %s engine", hp->keys[i], engine);
+            return -1;
+        }
+    return 0;
+}
+
 void cb_hp_free(cb_hparams *hp) {
     for (int i = 0; i < hp->n; i++) {
         free(hp->keys[i]);

@@ -14,6 +14,8 @@ typedef struct {
 
 /* Add one `--set` argument, "key=value" (NULL: the flag had no value): 0, or -1 with a message. */
 int cb_hp_add(cb_hparams *hp, const char *arg, char *err, size_t errlen);
+/* Every key some block read (cb_hp_*): 0, or -1 with a message naming the first key nobody asked for. */
+int cb_hp_check_used(const cb_hparams *hp, const char *engine, char *err, size_t errlen);
 /* Free the table's keys and values (the table itself is the caller's). */
 void cb_hp_free(cb_hparams *hp);
 
