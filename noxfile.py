@@ -22,6 +22,10 @@ TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors"
                      "nox",         # the layout test checks `nox -l`
                      "hypothesis",  # fuzzing of the checkpoint readers (colibri-core/tests/test_fuzz_readers.py)
                      "laya==0.4.15",  # its own classes build the tiny Laya checkpoint (colibri-decision tests)
+                     # its own classes build the tiny GLiNER2 checkpoint and its inference is the reference
+                     # (tests/test_decide_gliner2.py); its base install pulls only pydantic, requests, tqdm, urllib3
+                     # (torch, transformers, safetensors, numpy are the ones above: no --no-deps needed)
+                     "gliner2==2.1.0",
                      "openai-agents",   # an unmodified agent framework against coli serve (test_serve_agent_sdk.py)
                      "selenium",    # the dashboard in Debian's chromium (tests/test_dashboard_browser.py)
                      "llguidance>=1.0",  # constrained decoding (colibri-core[structured]; test_serve_structured.py)

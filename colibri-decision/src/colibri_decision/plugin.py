@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from colibri import configs, hookimpl
+from colibri import configs, hookimpl, hooks
 from colibri.checkpoint import TensorIndex, default_shard_set
 from colibri.errors import ConfigError
 from colibri.records import (
@@ -23,7 +23,7 @@ from colibri.records import (
     TensorLayout,
 )
 
-from . import jev, laya
+from . import gliner2, jev, laya
 
 FAMILY = "decision"
 MODEL_TYPES = ("extractor", "laya", "jev")
@@ -101,11 +101,16 @@ def _laya_layout(model: ResolvedModel) -> TensorLayout:
 
 
 def _encoder(model: ResolvedModel) -> tuple[Mapping[str, Any], str, str]:
-    where = f"{model.path / 'config.json'} (encoder_config)"
+    """(the encoder's config, where it was read, its kind): an ``encoder_config`` object inside config.json, else
+    ``encoder_config/config.json`` as GLiNER2's own ``save_pretrained`` writes it."""
     enc = model.config.get("encoder_config")
+    where = f"{model.path / 'config.json'} (encoder_config)"
     if not isinstance(enc, Mapping):
-        raise ConfigError(f"{model.path / 'config.json'}: no 'encoder_config' object",
-                          "an extractor checkpoint must describe its encoder; restore the original config.json")
+        path = model.path / gliner2.ENCODER_DIR / "config.json"
+        fix = "an extractor checkpoint describes its encoder in encoder_config/config.json (what GLiNER2 saves)"
+        if not path.is_file():
+            raise ConfigError(f"{model.path / 'config.json'}: no 'encoder_config' object and no {path}", fix)
+        enc, where = _read_json(path, fix), str(path)
     kind = str(enc.get("model_type") or "bert")
     if kind not in ENCODER_TYPES:
         raise ConfigError(f"{where}: encoder model_type {kind!r} is not supported",
@@ -186,28 +191,49 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_DIR = Path(__file__).parent / "engine"
-# model type -> its engine (each a recipe over the shared runtime), how the engine is configured, and who answers
-# its System One questions (None: core's default, label tokens' logits)
+LAYA_ENGINE = EngineSource(name="colibri-laya", sources=(ENGINE_DIR / "laya.c",), runtime_api=RUNTIME_API)
+
+
+def _gliner2_engine(model: ResolvedModel) -> EngineSource | None:
+    """The GLiNER2 engine, for the extractors it runs (a DeBERTa-v2/v3 encoder; see gliner2.engine_problem)."""
+    enc, _, _ = _encoder(model)
+    return None if gliner2.engine_problem(enc) else EngineSource("colibri-gliner2", (gliner2.ENGINE,),
+                                                                  runtime_api=RUNTIME_API)
+
+
+def _gliner2_env(model: ResolvedModel) -> tuple[str, ...]:
+    enc, where, _ = _encoder(model)
+    return tuple(gliner2.engine_hparams(enc, where))
+
+
+def _gliner2_decider(model: ResolvedModel, tokenizer: Any) -> Any:
+    return gliner2.Gliner2Decider(tokenizer if tokenizer is not None else hooks.load_tokenizer(model))
+
+
+# model type -> its engine (each a recipe over the shared runtime; None when this checkpoint has none), how the
+# engine is configured, who answers its System One questions (absent: core's default, label tokens' logits)
 ENGINES = {
-    jev.MODEL_TYPE: jev.engine_source(),
-    "laya": EngineSource(name="colibri-laya", sources=(ENGINE_DIR / "laya.c",), runtime_api=RUNTIME_API),
+    jev.MODEL_TYPE: lambda model: jev.engine_source(),
+    "laya": lambda model: LAYA_ENGINE,
+    "extractor": _gliner2_engine,
 }
-ENGINE_ARGS = {jev.MODEL_TYPE: jev.engine_args, "laya": laya.engine_hparams}
+ENGINE_ARGS = {jev.MODEL_TYPE: jev.engine_args, "laya": laya.engine_hparams, "extractor": _gliner2_env}
 TOKENIZERS = {"laya": laya.load_tokenizer}
-DECIDERS = {jev.MODEL_TYPE: jev.decider, "laya": laya.decider}
+DECIDERS = {jev.MODEL_TYPE: jev.decider, "laya": laya.decider, "extractor": _gliner2_decider}
 
 
 @hookimpl
 def engine_source(model: ResolvedModel | None) -> EngineSource | None:
-    if model is None:
-        return next(iter(ENGINES.values()))
-    return ENGINES.get(model.model_type)
+    if model is None:   # the family's main engine (coli build decision)
+        return jev.engine_source()
+    source = ENGINES.get(model.model_type)
+    return source(model) if source else None
 
 
 @hookimpl
 def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv | None:
     args = ENGINE_ARGS.get(model.model_type)
-    return EngineEnv(args=args(model)) if args else None
+    return EngineEnv(args=tuple(args(model))) if args else None
 
 
 @hookimpl
@@ -232,8 +258,8 @@ def limits(model: ResolvedModel) -> Limits:
         bound = min(laya.agent_config(model.path).max_len, configs.max_context(enc) or 1 << 30)
         return Limits(max_context=bound, has_engine=engine_source(model) is not None)
     enc, _, _ = _encoder(model)
-    return Limits(max_context=configs.max_context(enc), has_engine=False,
-                  reason_no_engine=f"no engine for {FAMILY} yet")
+    problem = gliner2.engine_problem(enc)
+    return Limits(max_context=configs.max_context(enc), has_engine=not problem, reason_no_engine=problem)
 
 
 @hookimpl

@@ -1,5 +1,6 @@
-"""Tiny random-weight decision checkpoints for tests (``colibri.testing.tiny.tiny_model("extractor" | "laya", ...)``):
-a GLiNER2-style transformers encoder plus span/classifier heads, and a Laya checkpoint built with laya's classes.
+"""Tiny random-weight decision checkpoints for tests (``colibri.testing.tiny.tiny_model("extractor" | "laya" |
+"gliner2", ...)``): a GLiNER2-style transformers encoder plus span/classifier heads, a Laya checkpoint built with
+laya's classes, and a GLiNER2 checkpoint built with gliner2's (tiny_gliner2.py).
 
 Registered under the entry-point group ``colibri.testing.tiny``.
 """
@@ -14,6 +15,8 @@ from typing import Any
 from colibri.testing.tiny import (
     VOCAB, ChatStyle, TinyModel, redraw_weights, stored_elements, train_tokenizer, write_json,
 )
+
+from .tiny_gliner2 import build_gliner2   # a GLiNER2 checkpoint, built by the gliner2 package's own classes
 
 # The encoder's tokenizer: a byte-level BPE with end-of-text and padding tokens (the heads never read a chat
 # template; one is written so the checkpoint looks like any other).
@@ -152,4 +155,4 @@ def _jev_models() -> dict[str, Any]:
     return JEV
 
 
-TINY_MODELS = {"extractor": build_extractor, "laya": build_laya, **_jev_models()}
+TINY_MODELS = {"extractor": build_extractor, "laya": build_laya, "gliner2": build_gliner2, **_jev_models()}

@@ -17,6 +17,7 @@
 
 #include "expert_stats.h"
 #include "decide.h"
+#include "events.h"
 #include "json.h"
 #include "kernels.h"
 #include "kv_file.h"
@@ -99,38 +100,13 @@ size_t cb_rss_bytes(void) {
     return ok && page > 0 ? (size_t)resident * (size_t)page : 0;
 }
 
-static void emit(engine_t *E) {
-    cb_buf_put(&E->out, "\n", 1);
-    if (!E->out.failed) {
-        fwrite(E->out.data, 1, E->out.len, stdout);
-        fflush(stdout);
-    }
-    cb_buf_reset(&E->out);
-}
+static void emit(engine_t *E) { cb_emit_line(&E->out); }
 
 static void emit_error(engine_t *E, int has_id, int64_t id, const char *code, const char *message) {
-    cb_buf *b = &E->out;
-    cb_buf_puts(b, "{\"ev\":\"error\",\"id\":");
-    if (has_id) cb_buf_printf(b, "%lld", (long long)id);
-    else cb_buf_puts(b, "null");
-    cb_buf_printf(b, ",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(b, message);
-    cb_buf_puts(b, "}");
-    emit(E);
+    cb_emit_error(&E->out, has_id, id, code, message);
 }
 
-static void emit_fatal(const char *code, const char *message) {
-    cb_buf b = {0};
-    cb_buf_printf(&b, "{\"ev\":\"fatal\",\"code\":\"%s\",\"message\":", code);
-    cb_buf_json_str(&b, message);
-    cb_buf_puts(&b, "}\n");
-    if (!b.failed) {
-        fwrite(b.data, 1, b.len, stdout);
-        fflush(stdout);
-    }
-    fprintf(stderr, "fatal: %s\n", message);
-    cb_buf_free(&b);
-}
+static void emit_fatal(const char *code, const char *message) { cb_emit_fatal(code, message); }
 
 static void put_float(cb_buf *b, double v) {
     if (isfinite(v)) cb_buf_printf(b, "%.9g", v);
@@ -497,21 +473,7 @@ static int step(engine_t *E, slot_t *s, char *err) {
 
 static int int_field(cb_json *req, const char *key, int required, int64_t def, int64_t lo, int64_t hi,
                      int64_t *out, char *err) {
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) {
-        if (required) {
-            snprintf(err, ERRLEN, "missing field \"%s\"", key);
-            return -1;
-        }
-        *out = def;
-        return 0;
-    }
-    if (v->type != CB_JNUM || !v->is_int || v->inum < lo || v->inum > hi) {
-        snprintf(err, ERRLEN, "field \"%s\" must be an integer in [%lld, %lld]", key, (long long)lo, (long long)hi);
-        return -1;
-    }
-    *out = v->inum;
-    return 0;
+    return cb_json_int_field(req, key, required, def, lo, hi, out, err, ERRLEN);
 }
 
 static int num_field(cb_json *req, const char *key, double def, double lo, double hi, double *out, char *err) {
@@ -520,32 +482,7 @@ static int num_field(cb_json *req, const char *key, double def, double lo, doubl
 
 /* An optional array of token ids (each in [0, vocab)); NULL/0 when absent. */
 static int ids_field(cb_json *req, const char *key, int vocab, int **out, int *n, char *err) {
-    *out = NULL;
-    *n = 0;
-    cb_json *v = cb_json_get(req, key);
-    if (!v || v->type == CB_JNULL) return 0;
-    if (v->type != CB_JARR) {
-        snprintf(err, ERRLEN, "field \"%s\" must be an array of token ids", key);
-        return -1;
-    }
-    if (!v->len) return 0;
-    *out = malloc(v->len * sizeof(int));
-    if (!*out) {
-        snprintf(err, ERRLEN, "out of memory");
-        return -1;
-    }
-    for (size_t i = 0; i < v->len; i++) {
-        cb_json *t = v->items[i];
-        if (t->type != CB_JNUM || !t->is_int || t->inum < 0 || t->inum >= vocab) {
-            snprintf(err, ERRLEN, "field \"%s\"[%zu] is not a token id in [0, %d)", key, i, vocab);
-            free(*out);
-            *out = NULL;
-            return -1;
-        }
-        (*out)[i] = (int)t->inum;
-    }
-    *n = (int)v->len;
-    return 0;
+    return cb_json_ids_field(req, key, vocab, out, n, err, ERRLEN);
 }
 
 /* An optional file path field ("kv_load", "kv_save"): NULL when absent; borrowed from the request. */
@@ -853,15 +790,7 @@ static void read_input(engine_t *E, int block) {
 /* ---- arguments and main loop ---- */
 
 static int parse_int_arg(const char *flag, const char *v, int lo, int hi, int *out, char *err) {
-    char *end;
-    errno = 0;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || errno || end == v || *end || x < lo || x > hi) {
-        snprintf(err, ERRLEN, "%s needs an integer in [%d, %d], got %s", flag, lo, hi, v ? v : "nothing");
-        return -1;
-    }
-    *out = (int)x;
-    return 0;
+    return cb_parse_int_arg(flag, v, lo, hi, out, err, ERRLEN);
 }
 
 static int parse_switch(const char *flag, const char *v, int *out, char *err) {
@@ -919,20 +848,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             E->stream.experts_top_p = p >= 1 ? 0.0f : (float)p;
         }
         else if (!strcmp(a, "--set")) {
-            const char *eq = v ? strchr(v, '=') : NULL;
-            if (!eq || eq == v) { snprintf(err, ERRLEN, "--set needs key=value, got %s", v ? v : "nothing"); return -1; }
-            char **k = realloc(hp->keys, (size_t)(hp->n + 1) * sizeof *k);
-            if (k) hp->keys = k;
-            char **vv = realloc(hp->values, (size_t)(hp->n + 1) * sizeof *vv);
-            if (vv) hp->values = vv;
-            int *u = realloc(hp->used, (size_t)(hp->n + 1) * sizeof *u);
-            if (u) hp->used = u;
-            if (!k || !vv || !u) { snprintf(err, ERRLEN, "out of memory"); return -1; }
-            hp->keys[hp->n] = strndup(v, (size_t)(eq - v));
-            hp->values[hp->n] = strdup(eq + 1);
-            hp->used[hp->n] = 0;
-            hp->n++;
-            if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
+            if (cb_hp_add(hp, v, err, ERRLEN)) return -1;
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
                                   "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
@@ -947,16 +863,6 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         return -1;
     }
     return 0;
-}
-
-static void free_hparams(cb_hparams *hp) {
-    for (int i = 0; i < hp->n; i++) {
-        free(hp->keys[i]);
-        free(hp->values[i]);
-    }
-    free(hp->keys);
-    free(hp->values);
-    free(hp->used);
 }
 
 static int alloc_slots(engine_t *E, char *err) {
@@ -1028,12 +934,10 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("load", err[0] ? err : "loading the model failed");
         goto out_threads;
     }
-    for (int i = 0; i < hp.n; i++)
-        if (!hp.used[i]) {
-            snprintf(err, ERRLEN, "--set %s: not a hyperparameter of the %s engine", hp.keys[i], family->name);
-            emit_fatal("bad_args", err);
-            goto out_threads;
-        }
+    if (cb_hp_check_used(&hp, family->name, err, ERRLEN)) {
+        emit_fatal("bad_args", err);
+        goto out_threads;
+    }
     if (E.info.vocab < 1 || E.info.n_layers < 0 || E.info.kv_dim < 0) {
         emit_fatal("load", "the family reported an invalid model geometry");
         goto out_threads;
@@ -1101,6 +1005,6 @@ out_threads:
     cb_experts_io_shutdown();
     cb_threads_shutdown();
 out:
-    free_hparams(&hp);
+    cb_hp_free(&hp);
     return rc;
 }

@@ -221,3 +221,49 @@ int cb_hp_layer_indices(const char *key, const char *value, int n, char letter, 
     }
     return 0;
 }
+
+int cb_hp_add(cb_hparams *hp, const char *arg, char *err, size_t errlen) {
+    const char *eq = arg ? strchr(arg, '=') : NULL;
+    if (!eq || eq == arg) {
+        snprintf(err, errlen, "--set needs key=value, got %s", arg ? arg : "nothing");
+        return -1;
+    }
+    char **k = realloc(hp->keys, (size_t)(hp->n + 1) * sizeof *k);
+    if (k) hp->keys = k;
+    char **vv = realloc(hp->values, (size_t)(hp->n + 1) * sizeof *vv);
+    if (vv) hp->values = vv;
+    int *u = realloc(hp->used, (size_t)(hp->n + 1) * sizeof *u);
+    if (u) hp->used = u;
+    if (!k || !vv || !u) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    hp->keys[hp->n] = strndup(arg, (size_t)(eq - arg));
+    hp->values[hp->n] = strdup(eq + 1);
+    hp->used[hp->n] = 0;
+    hp->n++;
+    if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+int cb_hp_check_used(const cb_hparams *hp, const char *engine, char *err, size_t errlen) {
+    for (int i = 0; i < hp->n; i++)
+        if (!hp->used[i]) {
+            snprintf(err, errlen, "--set %s: not a hyperparameter of the %s engine", hp->keys[i], engine);
+            return -1;
+        }
+    return 0;
+}
+
+void cb_hp_free(cb_hparams *hp) {
+    for (int i = 0; i < hp->n; i++) {
+        free(hp->keys[i]);
+        free(hp->values[i]);
+    }
+    free(hp->keys);
+    free(hp->values);
+    free(hp->used);
+}

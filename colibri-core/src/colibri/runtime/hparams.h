@@ -12,6 +12,13 @@ typedef struct {
     int *used;                 /* a key nobody asked for is refused after load: a typo must not pass silently */
 } cb_hparams;
 
+/* Add one `--set` argument, "key=value" (NULL: the flag had no value): 0, or -1 with a message. */
+int cb_hp_add(cb_hparams *hp, const char *arg, char *err, size_t errlen);
+/* Every key some block read (cb_hp_*): 0, or -1 with a message naming the first key nobody asked for. */
+int cb_hp_check_used(const cb_hparams *hp, const char *engine, char *err, size_t errlen);
+/* Free the table's keys and values (the table itself is the caller's). */
+void cb_hp_free(cb_hparams *hp);
+
 /* Each getter returns 0 and fills *out; a missing required key or an unparsable value is -1 with a message
  * naming the key. The _opt variants leave *out (the default) alone when the key is absent. */
 int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen);

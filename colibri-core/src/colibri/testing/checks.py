@@ -1,4 +1,5 @@
-"""Assertions family packages share in their tests: does a TensorLayout describe a checkpoint exactly?"""
+"""Assertions family packages share in their tests: does a TensorLayout describe a checkpoint exactly? Do two
+System One answers agree?"""
 
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def routers_and_experts_consistent(layout: TensorLayout, moe_layers: tuple[int, 
         per_layer = [e for e in layout.experts if e.layer == layer]
         assert [e.expert for e in per_layer] == list(range(num_experts)), f"layer {layer}: experts out of order"
         assert all(len(e.tensors) >= 3 for e in per_layer), f"layer {layer}: expert without gate/up/down"
+
+
+def assert_answers_close(got: Any, want: Any, where: str = "", tol: float = 1e-4) -> None:
+    """System One answers (nested dicts) equal ``want``: the same keys everywhere, every float within ``tol``,
+    everything else equal. ``where`` names the place of a mismatch (``text.spam.noul``)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_answers_close(got[key], want[key], f"{where}.{key}", tol)
+    elif isinstance(want, float):
+        assert abs(got - want) <= tol, f"{where}: {got} vs {want}"
+    else:
+        assert got == want, where

@@ -55,6 +55,7 @@ static int jev_load(void **out, const cb_load_args *a, cb_model_info *info, char
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family jev_family = {"jev", jev_load, cb_decoder_forward, cb_decoder_unload};
+static const cb_family jev_family
+    = {.name = "jev", .load = jev_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &jev_family); }

@@ -318,6 +318,6 @@ static int laya_decide(void *model, const int *tokens, int n, cb_decide *d, char
     return 0;
 }
 
-static const cb_family LAYA = {"laya", laya_load, NULL, laya_free, laya_decide};
+static const cb_family LAYA = {.name = "laya", .load = laya_load, .free = laya_free, .decide = laya_decide};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &LAYA); }

@@ -89,6 +89,7 @@ static int ds_load(void **out, const cb_load_args *a, cb_model_info *info, char 
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family ds_family = {"deepseek-v4", ds_load, cb_decoder_forward, cb_decoder_unload};
+static const cb_family ds_family
+    = {.name = "deepseek-v4", .load = ds_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &ds_family); }

@@ -516,6 +516,7 @@ static int v4_load(void **out, const cb_load_args *a, cb_model_info *info, char 
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family v4_family = {"deepseek-v4", v4_load, v4_forward, cb_decoder_unload};
+static const cb_family v4_family
+    = {.name = "deepseek-v4", .load = v4_load, .forward = v4_forward, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &v4_family); }

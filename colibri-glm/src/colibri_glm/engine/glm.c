@@ -187,6 +187,7 @@ static int glm_load(void **out, const cb_load_args *a, cb_model_info *info, char
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family glm_family = {"glm", glm_load, cb_decoder_forward, cb_decoder_unload};
+static const cb_family glm_family
+    = {.name = "glm", .load = glm_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &glm_family); }

@@ -110,6 +110,7 @@ static int olmoe_load(void **out, const cb_load_args *a, cb_model_info *info, ch
     return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
 }
 
-static const cb_family olmoe_family = {"olmoe", olmoe_load, cb_decoder_forward, cb_decoder_unload};
+static const cb_family olmoe_family
+    = {.name = "olmoe", .load = olmoe_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &olmoe_family); }
