@@ -24,6 +24,7 @@ TEST_REQUIREMENTS = ("transformers==5.24.0", "diffusers", "numpy", "safetensors"
                      "laya==0.4.15",  # its own classes build the tiny Laya checkpoint (colibri-decision tests)
                      "openai-agents",   # an unmodified agent framework against coli serve (test_serve_agent_sdk.py)
                      "selenium",    # the dashboard in Debian's chromium (tests/test_dashboard_browser.py)
+                     "ray==2.60.0",  # the cluster extra (tests on a loopback Ray cluster)
                      "llguidance>=1.0")  # constrained decoding (colibri-core[structured]; test_serve_structured.py)
 PYTEST_ARGS = ("--import-mode=importlib", "-p", "no:cacheprovider", "-ra")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

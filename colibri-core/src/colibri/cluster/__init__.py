@@ -1,0 +1,1 @@
+"""Scale out on Ray (the ``cluster`` extra): replicas behind one endpoint, and experts held in several machines' RAM."""
