@@ -185,3 +185,25 @@ def test_hotset_sidecar_counts(tmp_path):
     sidecar.write_text("something else")
     assert experts.read_hotset_counts(sidecar) == {}
     assert experts.read_hotset_counts(tmp_path / "missing") == {}
+
+
+def test_coli_run_with_expert_workers(cluster, model_dir):
+    """`coli run --expert-workers N --partition P`: the same greedy reply as without them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from colibri.cli import app
+
+    def run(*extra: str) -> dict:
+        res = CliRunner().invoke(app, ["run", "The quick brown fox", "--model", str(model_dir), "--raw", "--json",
+                                       "--temp", "0", "--max-tokens", "8", "--ctx", "128", "--threads", "1",
+                                       "--cap", "1", *extra], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    alone = run()
+    spread = run("--expert-workers", "3", "--partition", "layer", "--address", cluster.address)
+    assert spread["generated_ids"] == alone["generated_ids"]
+    assert spread["stats"]["remote_messages"] > 0 and "remote_messages" not in alone["stats"]
+    assert not [r for r in experts.expert_shard_rows() if r["alive"]]   # the command stopped its workers

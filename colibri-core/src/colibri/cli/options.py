@@ -58,3 +58,16 @@ def streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead=Fal
 
     return Streaming(prefetch=prefetch, pin=pin, io=io, experts_k=experts_k, experts_top_p=experts_top_p,
                      lookahead=lookahead, preload=preload)
+ExpertWorkersOption = typer.Option(
+    None, "--expert-workers", metavar="N", min=1,
+    help="Expert-parallel: hold the routed experts in the RAM of N Ray nodes (each offering a colibri_experts_<name> "
+         "resource; needs colibri-core[cluster]).",
+)
+PartitionOption = typer.Option(
+    "expert", "--partition", metavar="layer|expert",
+    help="With --expert-workers: split the experts by layer or by expert (balanced by the hot-set counts).",
+)
+RayAddressOption = typer.Option(
+    None, "--address", metavar="RAY_ADDRESS",
+    help="With --expert-workers: the Ray cluster to join (default: RAY_ADDRESS, else a local one).",
+)

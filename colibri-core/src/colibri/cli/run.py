@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
+                      ExpertWorkersOption, PartitionOption, RayAddressOption,
                       IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
                       streaming_options)
 
@@ -67,6 +68,21 @@ def _run_other_task(resolved: Any, task: str, prompt: str, options: dict[str, An
         raise SystemExit(code)
 
 
+def _generate(launch: Any, spec: Any, tok: Any, built: Any, grammar: Any, budget: int, sampling: Any, view: Any,
+              as_json: bool) -> Any:
+    from ..constraints import ConstraintCompiler
+    from ..streaming import stream_reply
+
+    with launch.start(spec) as engine:
+        constraint = None
+        if grammar is not None:
+            constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
+                                            tok.stop_ids).start(grammar)
+        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
+                             max_tokens=budget, stop=tok.stop_ids, constraint=constraint, **sampling.as_request())
+    return reply
+
+
 def run_command(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file, or pipe it on stdin)."),
     model: Optional[str] = ModelOption,
@@ -99,6 +115,9 @@ def run_command(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain the reply to "
                                                "JSON valid against this JSON schema file (needs llguidance)."),
     as_json: bool = JsonOption,
+    expert_workers: Optional[int] = ExpertWorkersOption,
+    partition: str = PartitionOption,
+    address: Optional[str] = RayAddressOption,
     **family_options: Any,
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS.
@@ -109,8 +128,8 @@ def run_command(
     from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
     from ..reasoning_view import ReasoningView
-    from ..constraints import ConstraintCompiler, schema_file_grammar
-    from ..streaming import stats_line, stream_reply
+    from ..constraints import schema_file_grammar
+    from ..streaming import stats_line
 
     from ..records import TEXT_GENERATION
 
@@ -145,13 +164,14 @@ def run_command(
     grammar = schema_file_grammar(resolved, built.text, json_schema) if json_schema is not None else None
     out = _Output()
     view = ReasoningView(hooks.parse_output(resolved) if built.mode == "chat" else None, built.text, out.write)
-    with launch.start(spec) as engine:
-        constraint = None
-        if grammar is not None:
-            constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
-                                            tok.stop_ids).start(grammar)
-        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
-                             max_tokens=budget, stop=tok.stop_ids, constraint=constraint, **sampling.as_request())
+    from ..cluster.experts import with_expert_workers
+
+    spec, expert_cluster = with_expert_workers(spec, expert_workers, partition, address)
+    try:
+        reply = _generate(launch, spec, tok, built, grammar, budget, sampling, view, as_json)
+    finally:
+        if expert_cluster is not None:
+            expert_cluster.stop()
     if not as_json:
         view.finish()
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}

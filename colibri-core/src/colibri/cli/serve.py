@@ -31,6 +31,7 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
+                      ExpertWorkersOption, PartitionOption, RayAddressOption,
                       IoOption, LookaheadOption, PinOption, PrefetchOption, PreloadOption,
                       streaming_options)
 
@@ -127,6 +128,9 @@ def serve_command(
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
+    expert_workers: Optional[int] = ExpertWorkersOption,
+    partition: str = PartitionOption,
+    address: Optional[str] = RayAddressOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
     cors_origin: list[str] | None = typer.Option(
@@ -198,6 +202,9 @@ def serve_command(
         print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
+    from ..cluster.experts import with_expert_workers
+
+    spec, expert_cluster = with_expert_workers(spec, expert_workers, partition, address)
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
     if not bandwidth:
         bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
@@ -229,7 +236,11 @@ def serve_command(
                f"http://{shown}:{port}/; loading the engine…", err=True)
     if context.info_name == "web":
         open_browser_when_listening(server, f"http://{shown}:{port}/")
-    _run_server(server, sock, level)
+    try:
+        _run_server(server, sock, level)
+    finally:
+        if expert_cluster is not None:
+            expert_cluster.stop()
     if fatal:
         raise EngineError(fatal[0])
 

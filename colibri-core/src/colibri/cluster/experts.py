@@ -337,3 +337,17 @@ def wait_for(predicate: Any, timeout: float, every: float = 0.1) -> bool:
             return True
         time.sleep(every)
     return bool(predicate())
+
+
+def with_expert_workers(spec: Any, n_workers: int | None, partition: str,
+                        address: str | None) -> tuple[Any, ExpertCluster | None]:
+    """``coli run`` / ``coli serve`` with ``--expert-workers N``: start the workers for the spec's model and give
+    the head engine the map (the spec's argv gains ``--expert-map``); (spec, None) unchanged without the flag. The
+    caller stops the returned cluster when its engine is done."""
+    if not n_workers:
+        return spec, None
+    import dataclasses
+
+    cluster = start_expert_cluster(Path(spec.argv[0]), spec.facts.model.path, n_workers, partition,
+                                   layers=moe_layers(spec.facts), address=address)
+    return dataclasses.replace(spec, argv=(*spec.argv, *cluster.engine_args())), cluster
