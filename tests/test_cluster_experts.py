@@ -176,6 +176,9 @@ def test_partition_balances_by_routing_counts():
     assert by_expert[0][1] == [0, 2] and by_expert[1][1] == [1, 3]
     assert experts.partition_experts(layers, 3, "expert")[2] == {0: [2], 1: [2], 2: [2]}
     assert experts.ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    # A worker whose RAM holds 3 experts keeps its hottest 3; the rest nobody holds (they stream from disk).
+    capped = experts.partition_experts(layers, 2, "expert", counts, max_per_worker=3)
+    assert capped[0] == {0: [0], 1: [2], 2: [0]} and capped[1] == {0: [1, 2], 1: [3]}
 
 
 def test_hotset_sidecar_counts(tmp_path):

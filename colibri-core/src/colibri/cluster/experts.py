@@ -68,14 +68,16 @@ def read_hotset_counts(path: Path) -> dict[int, list[int]]:
 
 
 def partition_experts(layers: dict[int, int], n_workers: int, mode: str,
-                      counts: dict[int, list[int]] | None = None) -> list[dict[int, list[int]]]:
+                      counts: dict[int, list[int]] | None = None,
+                      max_per_worker: int | None = None) -> list[dict[int, list[int]]]:
     """Split the routed experts (``layers``: MoE layer -> expert count) among ``n_workers``.
 
     ``layer``: whole layers, each to the worker with the least routing load so far (a layer's load is its routing
     count, or its expert count without a sidecar), heaviest layers first. ``expert``: every layer split across
     all workers, its experts hottest first to the worker holding the least of that layer's load (round robin by
     index when there are no counts), so each layer's traffic spreads over every worker. Deterministic: ties go to
-    the lower worker and the lower index.
+    the lower worker and the lower index. ``max_per_worker`` (a worker's RAM in experts): each worker keeps only
+    that many of its share, the hottest (lowest index among equals); what nobody keeps streams from disk.
     """
     if mode not in PARTITIONS:
         raise UsageError(f"--partition {mode}: not a partitioning", "use layer or expert")
@@ -89,7 +91,7 @@ def partition_experts(layers: dict[int, int], n_workers: int, mode: str,
         return c if c is not None and len(c) == layers[layer] and sum(c) > 0 else [1] * layers[layer]
 
     if mode == "layer":
-        load = [0.0] * n_workers
+        load = [0] * n_workers
         # A layer's load is its share of the routing (every token routes top_k rows through every layer), so
         # without counts each layer weighs its expert count (bytes held); with them, how often its experts are hit
         # relative to the layer's own traffic is the same for every layer and the count balance decides.
@@ -98,7 +100,7 @@ def partition_experts(layers: dict[int, int], n_workers: int, mode: str,
             w = min(range(n_workers), key=lambda i: (load[i], i))
             shares[w][layer] = list(range(layers[layer]))
             load[w] += layers[layer]
-        return shares
+        return _trim(shares, max_per_worker, weights)
     for layer in sorted(layers):
         wts = weights(layer)
         load = [0] * n_workers
@@ -108,10 +110,20 @@ def partition_experts(layers: dict[int, int], n_workers: int, mode: str,
             shares[w].setdefault(layer, []).append(e)
             load[w] += wts[e]
             held[w] += 1
+    return _trim(shares, max_per_worker, weights)
+
+
+def _trim(shares: list[dict[int, list[int]]], limit: int | None, weights: Any) -> list[dict[int, list[int]]]:
+    out = []
     for share in shares:
-        for layer in share:
-            share[layer].sort()
-    return shares
+        pairs = [(layer, e) for layer in sorted(share) for e in share[layer]]
+        if limit is not None and len(pairs) > limit:
+            pairs = sorted(pairs, key=lambda p: (-weights(p[0])[p[1]], p))[:max(limit, 0)]
+        kept: dict[int, list[int]] = {}
+        for layer, e in sorted(pairs):
+            kept.setdefault(layer, []).append(e)
+        out.append(kept)
+    return out
 
 
 def ranges(experts: list[int]) -> str:
