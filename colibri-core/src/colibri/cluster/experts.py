@@ -290,10 +290,11 @@ class ExpertCluster:
 def start_expert_cluster(engine: Path, model_dir: Path, n_workers: int, partition: str, *,
                          layers: dict[int, int], address: str | None = None, threads: int = 0,
                          hotset: Path | None = None, argv_prefix: list[str] | None = None,
-                         workdir: Path | None = None) -> ExpertCluster:
+                         workdir: Path | None = None, max_per_worker: int | None = None) -> ExpertCluster:
     """Start ``n_workers`` expert workers, one per node carrying a ``colibri_experts_<name>`` resource, give each
     its share and write the head's expert map. ``address``: the Ray cluster (None: the one this process is
-    connected to, else ``ray.init``'s default)."""
+    connected to, else ``ray.init``'s default). ``max_per_worker``: the experts one worker's RAM holds (None: its
+    whole share); ``argv_prefix``: what the worker's command runs under (a memory cgroup shim, in the benchmark)."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
@@ -303,7 +304,7 @@ def start_expert_cluster(engine: Path, model_dir: Path, n_workers: int, partitio
                            f"{RESOURCE_PREFIX}<name> resource",
                            f"start each expert node with --resources '{{\"{RESOURCE_PREFIX}<name>\": 1}}'")
     counts = read_hotset_counts(hotset or model_dir / ".colibri-hotset")
-    shares = partition_experts(layers, n_workers, partition, counts)
+    shares = partition_experts(layers, n_workers, partition, counts, max_per_worker)
     run_id = uuid.uuid4().hex[:12]
     actor = _actor_class()
     actors = [actor.options(name=f"{ACTOR_PREFIX}{run_id}-{i}", namespace=NAMESPACE, resources={tags[i]: 1})

@@ -292,11 +292,12 @@ int cb_remote_start(const char *map_path, int timeout, double wait_s, char *err,
         cb_remote_stop();
         return -1;
     }
-    /* First connections in parallel would be faster; in order keeps the start simple and the waits bounded. */
-    double until = cbw_now() + wait_s;
+    /* A worker that accepts gets wait_s to load its share; one that does not accept within the timeout is left to
+     * the reconnect thread (the request streams its experts meanwhile). In order: simple, and each wait bounded. */
     for (int i = 0; i < n_workers; i++) {
-        while (!workers[i].ready && cbw_now() < until) {
-            connect_worker(&workers[i], until - cbw_now() > 1 ? until - cbw_now() : 1);
+        double refuse_until = cbw_now() + (double)timeout_ms / 1000.0;
+        while (!workers[i].ready && cbw_now() < refuse_until) {
+            connect_worker(&workers[i], wait_s > 1 ? wait_s : 1);
             if (!workers[i].ready) usleep(100000);
         }
         if (!workers[i].ready) fprintf(stderr, "notice: expert worker %s is not up yet\n", workers[i].addr);

@@ -145,7 +145,14 @@ int cbw_send(int fd, int type, const cbw_buf *payload, double deadline, char *er
         snprintf(err, errlen, "message too large or out of memory building it");
         return -1;
     }
+    /* Header and payload in one write: two small writes would meet Nagle and delayed ACKs (40 ms a message). */
     uint32_t h[4] = {CBW_MAGIC, (uint32_t)CBW_VERSION | ((uint32_t)type << 16), (uint32_t)payload->n, 0};
+    if (payload->n <= 65536) {
+        unsigned char one[CBW_HEADER_BYTES + 65536];
+        memcpy(one, h, sizeof h);
+        if (payload->n) memcpy(one + sizeof h, payload->p, payload->n);
+        return write_all(fd, one, sizeof h + payload->n, deadline, err, errlen);
+    }
     if (write_all(fd, h, sizeof h, deadline, err, errlen)) return -1;
     return write_all(fd, payload->p, payload->n, deadline, err, errlen);
 }
@@ -235,11 +242,13 @@ int cbw_connect(const char *host, const char *port, double deadline, char *err, 
         }
     }
     freeaddrinfo(res);
-    if (fd >= 0) {
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    }
+    if (fd >= 0) cbw_nodelay(fd);
     return fd;
+}
+
+void cbw_nodelay(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
 int cbw_listen(const char *host, const char *port, int *bound_port, char *err, size_t errlen) {

@@ -62,6 +62,8 @@ int cbw_split_addr(const char *addr, char *host, size_t hostlen, char *port, siz
                    size_t errlen);
 /* A TCP connection to host:port before the deadline (TCP_NODELAY: a layer's request is one write). */
 int cbw_connect(const char *host, const char *port, double deadline, char *err, size_t errlen);
+/* TCP_NODELAY: every message is one write, and a layer waits for its answer. */
+void cbw_nodelay(int fd);
 /* A listening socket on host:port (port "0": any free port, written back to *bound_port). */
 int cbw_listen(const char *host, const char *port, int *bound_port, char *err, size_t errlen);
 

@@ -338,6 +338,7 @@ int cb_expert_worker_main(int argc, char **argv) {
         if (p[1].revents & POLLIN) {
             int c = accept(lfd, NULL, NULL);
             if (c >= 0) {
+                cbw_nodelay(c);
                 if (conn >= 0) close(conn);
                 conn = c;
                 continue;
