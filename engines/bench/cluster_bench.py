@@ -68,17 +68,8 @@ def capped_group(limit: int, name: str):
     """A cgroup v1 memory group at ``limit`` bytes (stream_bench's, one per name), or None without root."""
     import stream_bench
 
-    class Named(stream_bench.CappedGroup):
-        def __init__(self) -> None:
-            parent = stream_bench.own_memory_cgroup()
-            if parent is None:
-                raise RuntimeError("no cgroup v1 memory hierarchy for this process")
-            self.path = parent / f"colibri-cluster-bench-{os.getpid()}-{name}"
-            self.path.mkdir(exist_ok=True)
-            (self.path / "memory.limit_in_bytes").write_text(str(limit))
-
     try:
-        return Named()
+        return stream_bench.CappedGroup(limit, name)
     except (OSError, RuntimeError) as exc:
         log(f"no memory cap for {name} ({exc}); the RAM bound is the share size alone")
         return None
