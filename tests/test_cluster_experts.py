@@ -127,6 +127,8 @@ def test_tokens_identical_at_every_partitioning(cluster, binary, model_dir, laye
         rows = experts.expert_shard_rows()
         mine = [r for r in rows if ec.run_id in r["worker"]]
         assert len(mine) == workers and all(r["alive"] and r["ram_bytes"] > 0 for r in mine)
+        assert [r["layers"] for r in sorted(mine, key=lambda r: r["worker"])] == \
+            [{layer: experts.ranges(es) for layer, es in share.items()} for share in ec.shares]
     finally:
         ec.stop()
 

@@ -306,6 +306,12 @@ def start_expert_cluster(engine: Path, model_dir: Path, n_workers: int, partitio
     counts = read_hotset_counts(hotset or model_dir / ".colibri-hotset")
     shares = partition_experts(layers, n_workers, partition, counts, max_per_worker)
     run_id = uuid.uuid4().hex[:12]
+    from ray.experimental import internal_kv
+
+    for i, share in enumerate(shares):   # for expert_shard_rows (coli cluster status), in another process
+        internal_kv._internal_kv_put(f"colibri:expert-share:{ACTOR_PREFIX}{run_id}-{i}".encode(),
+                                     json.dumps({str(k): ranges(v) for k, v in share.items()}).encode(),
+                                     overwrite=True)
     actor = _actor_class()
     actors = [actor.options(name=f"{ACTOR_PREFIX}{run_id}-{i}", namespace=NAMESPACE, resources={tags[i]: 1})
               .remote(str(engine), str(model_dir), i, run_id, threads, argv_prefix) for i in range(n_workers)]
@@ -322,15 +328,22 @@ def start_expert_cluster(engine: Path, model_dir: Path, n_workers: int, partitio
 
 
 def expert_shard_rows(timeout: float = 10.0) -> list[dict[str, Any]]:
-    """One row per live expert worker of the connected Ray cluster (``coli cluster status``): node, worker
-    address, the experts it holds, RAM (RSS) and whether it answers. Needs ``ray.init`` done by the caller."""
+    """One row per expert worker of the connected Ray cluster (``coli cluster status``): ``worker`` (actor name),
+    ``node`` (IP), ``address`` (host:port of its data path), ``layers`` (MoE layer -> expert ranges of its share,
+    e.g. {3: "0-31,40"}), ``experts`` and ``bytes_held`` (what it has loaded), ``ram_bytes`` (its engine's RSS),
+    ``alive`` (answered within ``timeout``), ``restarted`` (Ray restarted it at least once). Needs ``ray.init``
+    done by the caller."""
     ray = _ray()
+    from ray.experimental import internal_kv
+
     rows: list[dict[str, Any]] = []
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a.get("namespace") == NAMESPACE and a["name"].startswith(ACTOR_PREFIX))
     for name in names:
-        row: dict[str, Any] = {"worker": name, "node": None, "address": None, "experts": 0, "bytes_held": 0,
-                               "ram_bytes": 0, "alive": False, "restarted": False}
+        share = internal_kv._internal_kv_get(f"colibri:expert-share:{name}".encode())
+        row: dict[str, Any] = {"worker": name, "node": None, "address": None,
+                               "layers": {int(k): v for k, v in json.loads(share).items()} if share else {},
+                               "experts": 0, "bytes_held": 0, "ram_bytes": 0, "alive": False, "restarted": False}
         try:
             info = ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=timeout)
         except Exception:
