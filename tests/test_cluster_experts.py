@@ -212,3 +212,28 @@ def test_coli_run_with_expert_workers(cluster, model_dir):
     assert spread["generated_ids"] == alone["generated_ids"]
     assert spread["stats"]["remote_messages"] > 0 and "remote_messages" not in alone["stats"]
     assert not [r for r in experts.expert_shard_rows() if r["alive"]]   # the command stopped its workers
+
+
+def test_bad_expert_map_is_one_clear_error(binary, model_dir, tmp_path):
+    from colibri.engine import EngineError
+
+    bad = tmp_path / "map.txt"
+    bad.write_text("colibri-expert-map 1\nworker 127.0.0.1:9\nlayer 99 experts 0-3\n")
+    with pytest.raises(EngineError, match=r"map.txt line 3: layer 99 is not a MoE layer"):
+        engine(binary, model_dir, 1, "--expert-map", str(bad)).close()
+
+
+def test_unreachable_worker_streams_from_disk(binary, model_dir, baseline, tmp_path):
+    """A worker that is not up when the head starts costs the timeout once; its experts come from disk."""
+    import socket
+
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = tmp_path / "map.txt"
+    dead.write_text(f"colibri-expert-map 1\nworker 127.0.0.1:{port}\nlayer 0 experts 0-15\n")
+    with engine(binary, model_dir, 1, "--expert-map", str(dead), "--expert-timeout-ms", "200") as eng:
+        result = eng.generate(prompt_of(model_dir), max_tokens=DECODE, logits=True)
+        workers = eng.stats()["expert_workers"]
+    assert result.tokens == baseline[0] and result.logits == baseline[1]
+    assert workers[0]["alive"] is False and result.stats["remote_messages"] == 0 and result.stats["bytes_read"] > 0

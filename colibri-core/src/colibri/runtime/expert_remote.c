@@ -214,6 +214,17 @@ static void connect_worker(worker_t *w, double load_wait_s) {
     pthread_mutex_lock(&w->mu);
     w->fd = fd;   /* visible to cb_remote_stop, which shuts it down to end the wait */
     pthread_mutex_unlock(&w->mu);
+    /* Checked after publishing fd: a stop that began earlier is seen here, a later one shuts fd down. */
+    pthread_mutex_lock(&stop_mu);
+    int stop_now = stopping;
+    pthread_mutex_unlock(&stop_mu);
+    if (stop_now) {
+        pthread_mutex_lock(&w->mu);
+        w->fd = -1;
+        pthread_mutex_unlock(&w->mu);
+        close(fd);
+        return;
+    }
     cbw_buf in = {0};
     int type = 0, ok = 0;
     if (!cbw_send(fd, CBW_HELLO, &w->hello, cbw_now() + (double)timeout_ms / 1000.0, err, sizeof err) &&
@@ -288,6 +299,7 @@ static void mark_dead(worker_t *w, const char *why) {
 
 int cb_remote_start(const char *map_path, int timeout, double wait_s, char *err, size_t errlen) {
     if (timeout > 0) timeout_ms = timeout;
+    stopping = 0;
     if (read_map(map_path, err, errlen)) {
         cb_remote_stop();
         return -1;
@@ -302,7 +314,6 @@ int cb_remote_start(const char *map_path, int timeout, double wait_s, char *err,
         }
         if (!workers[i].ready) fprintf(stderr, "notice: expert worker %s is not up yet\n", workers[i].addr);
     }
-    stopping = 0;
     if (pthread_create(&reconnector, NULL, reconnect_loop, NULL)) {
         snprintf(err, errlen, "cannot start the expert-worker reconnect thread");
         cb_remote_stop();
