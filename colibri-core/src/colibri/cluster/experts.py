@@ -295,6 +295,8 @@ def start_expert_cluster(engine: Path, model_dir: Path, n_workers: int, partitio
     its share and write the head's expert map. ``address``: the Ray cluster (None: the one this process is
     connected to, else ``ray.init``'s default). ``max_per_worker``: the experts one worker's RAM holds (None: its
     whole share); ``argv_prefix``: what the worker's command runs under (a memory cgroup shim, in the benchmark)."""
+    if partition not in PARTITIONS:
+        raise UsageError(f"--partition {partition}: not a partitioning", "use layer or expert")
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
