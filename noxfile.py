@@ -202,6 +202,15 @@ def bench_decide(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_cluster(session: nox.Session) -> None:
+    """Expert-parallel on a loopback Ray cluster: decode tok/s, disk bytes and network bytes / round trips per token
+    at 1, 2 and 3 expert workers on the OLMoE-1B-7B-geometry checkpoint `nox -s bench` builds, no node holding the
+    hot set (slow, never default; root for the cgroup caps). `-- --quick` runs the tiny model as a smoke test."""
+    install_everything(session)
+    session.run("python", str(ROOT / "engines" / "bench" / "cluster_bench.py"), *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
 

@@ -350,11 +350,11 @@ def own_memory_cgroup() -> Path | None:
 class CappedGroup:
     """A cgroup v1 memory child of our own group with a hard limit; commands run inside it via a shell shim."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, name: str = ""):
         parent = own_memory_cgroup()
         if parent is None:
             raise RuntimeError("no cgroup v1 memory hierarchy for this process")
-        self.path = parent / f"colibri-bench-{os.getpid()}"
+        self.path = parent / f"colibri-bench-{os.getpid()}{'-' + name if name else ''}"
         self.path.mkdir(exist_ok=True)
         (self.path / "memory.limit_in_bytes").write_text(str(limit))
         try:

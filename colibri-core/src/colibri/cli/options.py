@@ -83,3 +83,18 @@ def kv_options(kv: bool | None, kv_dir: str | None, budget: str, default: bool):
 
     enabled = (default or kv_dir is not None) if kv is None else kv
     return KVOptions(enabled=enabled, directory=kv_dir, budget=parse_size(budget, "--kv-disk-budget"))
+
+
+ExpertWorkersOption = typer.Option(
+    None, "--expert-workers", metavar="N", min=1,
+    help="Expert-parallel: hold the routed experts in the RAM of N Ray nodes (each offering a colibri_experts_<name> "
+         "resource; needs colibri-core[cluster]).",
+)
+PartitionOption = typer.Option(
+    "expert", "--partition", metavar="layer|expert",
+    help="With --expert-workers: split the experts by layer or by expert (balanced by the hot-set counts).",
+)
+RayAddressOption = typer.Option(
+    None, "--address", metavar="RAY_ADDRESS",
+    help="With --expert-workers: the Ray cluster to join (default: RAY_ADDRESS, else a local one).",
+)

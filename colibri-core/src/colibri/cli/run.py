@@ -13,8 +13,9 @@ from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
-                      PreloadOption, kv_options, streaming_options)
+                      ExpertWorkersOption, IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption,
+                      PartitionOption, PinOption, PrefetchOption, PreloadOption, RayAddressOption, kv_options,
+                      streaming_options)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -67,6 +68,21 @@ def _run_other_task(resolved: Any, task: str, prompt: str, options: dict[str, An
         raise SystemExit(code)
 
 
+def _generate(launch: Any, spec: Any, tok: Any, built: Any, grammar: Any, budget: int, sampling: Any, view: Any,
+              as_json: bool, kv: Any) -> Any:
+    from ..constraints import ConstraintCompiler
+    from ..streaming import stream_reply
+
+    with launch.start(spec, kv=kv) as engine:
+        constraint = None
+        if grammar is not None:
+            constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
+                                            tok.stop_ids).start(grammar)
+        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
+                             max_tokens=budget, stop=tok.stop_ids, constraint=constraint, **sampling.as_request())
+    return reply
+
+
 def run_command(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file, or pipe it on stdin)."),
     model: Optional[str] = ModelOption,
@@ -102,6 +118,9 @@ def run_command(
     kv: Optional[bool] = KvOption,
     kv_dir: Optional[str] = KvDirOption,
     kv_disk_budget: str = KvBudgetOption,
+    expert_workers: Optional[int] = ExpertWorkersOption,
+    partition: str = PartitionOption,
+    address: Optional[str] = RayAddressOption,
     **family_options: Any,
 ) -> None:
     """Generate text for one prompt, streaming it, then print speed, expert hit rate, bytes read and RSS.
@@ -112,8 +131,8 @@ def run_command(
     from .. import hooks
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
     from ..reasoning_view import ReasoningView
-    from ..constraints import ConstraintCompiler, schema_file_grammar
-    from ..streaming import stats_line, stream_reply
+    from ..constraints import schema_file_grammar
+    from ..streaming import stats_line
 
     from ..records import TEXT_GENERATION
 
@@ -148,13 +167,15 @@ def run_command(
     grammar = schema_file_grammar(resolved, built.text, json_schema) if json_schema is not None else None
     out = _Output()
     view = ReasoningView(hooks.parse_output(resolved) if built.mode == "chat" else None, built.text, out.write)
-    with launch.start(spec, kv=kv_options(kv, kv_dir, kv_disk_budget, default=False)) as engine:
-        constraint = None
-        if grammar is not None:
-            constraint = ConstraintCompiler(tok.backend.to_str(), int(engine.ready.get("vocab") or tok.vocab_size),
-                                            tok.stop_ids).start(grammar)
-        reply = stream_reply(engine, tok, built.ids, write=(lambda _t: None) if as_json else view.feed,
-                             max_tokens=budget, stop=tok.stop_ids, constraint=constraint, **sampling.as_request())
+    from ..cluster.experts import with_expert_workers
+
+    spec, expert_cluster = with_expert_workers(spec, expert_workers, partition, address)
+    try:
+        reply = _generate(launch, spec, tok, built, grammar, budget, sampling, view, as_json,
+                          kv_options(kv, kv_dir, kv_disk_budget, default=False))
+    finally:
+        if expert_cluster is not None:
+            expert_cluster.stop()
     if not as_json:
         view.finish()
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}

@@ -31,8 +31,9 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
-                      PreloadOption, kv_options, streaming_options)
+                      ExpertWorkersOption, IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption,
+                      PartitionOption, PinOption, PrefetchOption, PreloadOption, kv_options,
+                      streaming_options)
 
 _SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
                   "g": 1024 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
@@ -128,6 +129,8 @@ def serve_command(
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
+    expert_workers: Optional[int] = ExpertWorkersOption,
+    partition: str = PartitionOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
     threads: int | None = typer.Option(None, "--threads", help="Engine compute threads (default: cores)."),
     cors_origin: list[str] | None = typer.Option(
@@ -156,7 +159,8 @@ def serve_command(
                                         "cluster's nodes behind this one endpoint, --kv-slots each (needs "
                                         "colibri-core[cluster]; docs/cluster.md). coli cluster serve: one per node."),
     address: str | None = typer.Option(None, "--address", metavar="RAY_ADDRESS", help="The Ray cluster of the "
-                                       "replicas (host:port, or auto); default: RAY_ADDRESS, else a new local one."),
+                                       "replicas or expert workers (host:port, or auto); default: RAY_ADDRESS, "
+                                       "else a new local one."),
     replica_resource: list[str] | None = typer.Option(
         None, "--replica-resource", metavar="TAG",
         help="Place the replicas on nodes with this Ray resource (repeatable: replica i takes the i-th tag, in "
@@ -200,9 +204,13 @@ def serve_command(
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {log_level}: not a level", "use debug, info, warning or error")
     on_cluster = replicas is not None or (context.parent is not None and context.parent.info_name == "cluster")
-    if not on_cluster and (address or replica_resource):
-        raise UsageError(f"{'--address' if address else '--replica-resource'}: only with --replicas N",
+    if not on_cluster and (replica_resource or (address and not expert_workers)):
+        raise UsageError(f"{'--replica-resource' if replica_resource else '--address'}: only with --replicas N"
+                         f"{'' if replica_resource else ' or --expert-workers N'}",
                          "add --replicas N, or use coli cluster serve")
+    if on_cluster and expert_workers:
+        raise UsageError("--expert-workers: not together with replicas (yet)",
+                         "serve replicas, or one engine whose experts live on the workers")
     if replicas is not None and replicas < 1:
         raise UsageError(f"--replicas {replicas}: must be at least 1")
 
@@ -221,6 +229,9 @@ def serve_command(
         print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
+    from ..cluster.experts import with_expert_workers
+
+    spec, expert_cluster = with_expert_workers(spec, expert_workers, partition, address)
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
     if not bandwidth:
         bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
@@ -257,7 +268,11 @@ def serve_command(
                f"http://{shown}:{port}/; loading the engine…", err=True)
     if context.info_name == "web":
         open_browser_when_listening(server, f"http://{shown}:{port}/")
-    _run_server(server, sock, level)
+    try:
+        _run_server(server, sock, level)
+    finally:
+        if expert_cluster is not None:
+            expert_cluster.stop()
     if fatal:
         raise EngineError(fatal[0])
 

@@ -1,5 +1,6 @@
 /* blocks.c: see blocks.h. */
 #include "blocks.h"
+#include "expert_remote.h"
 #include "qlinear.h"
 
 #include <math.h>
@@ -529,23 +530,31 @@ static void score_prediction(cb_moe *m) {
     S->has_prediction = 0;
 }
 
+int cb_expert_apply(const cb_expert_view *ex, float *down, float *xs, float *gate, float *up, const float *x,
+                    const int *rows, int n_rows, int hidden, int inter, float swiglu_limit, char *err,
+                    size_t errlen) {
+    int H = hidden, I = inter;
+    if (ex->m[CB_GATE].kind == CB_MAT_INT)   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
+        return cb_qexpert_run(down, gate, up, ex, rows, n_rows, err, errlen);
+    for (int r = 0; r < n_rows; r++)
+        memcpy(xs + (size_t)r * (size_t)H, x + (size_t)rows[r] * (size_t)H, (size_t)H * sizeof(float));
+    cb_matrix_apply(&ex->m[CB_GATE], gate, xs, n_rows);
+    cb_matrix_apply(&ex->m[CB_UP], up, xs, n_rows);
+    if (swiglu_limit > 0) cb_swiglu_clamp(gate, up, (size_t)n_rows * (size_t)I, swiglu_limit);
+    cb_silu_mul(gate, up, n_rows * I);
+    cb_matrix_apply(&ex->m[CB_DOWN], down, gate, n_rows);
+    return 0;
+}
+
 /* Run expert e on the given rows (their (row, choice) pairs in m->pair_of_row) into m->y. */
 static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
-    int H = m->hidden, I = m->inter;
+    int H = m->hidden;
     cb_expert_view ex;
     if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
     double t0 = cb_now_s();
-    if (ex.m[CB_GATE].kind == CB_MAT_INT) {   /* colibri-quant: integer kernels on the layer input quantized once (qlinear.c) */
-        if (cb_qexpert_run(m->down, m->gate, m->up, &ex, m->rows, rows, err, errlen)) return -1;
-    } else {
-        for (int r = 0; r < rows; r++)
-            memcpy(m->xs + (size_t)r * (size_t)H, x + (size_t)m->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-        cb_matrix_apply(&ex.m[CB_GATE], m->gate, m->xs, rows);
-        cb_matrix_apply(&ex.m[CB_UP], m->up, m->xs, rows);
-        if (m->swiglu_limit > 0) cb_swiglu_clamp(m->gate, m->up, (size_t)rows * (size_t)I, m->swiglu_limit);
-        cb_silu_mul(m->gate, m->up, rows * I);
-        cb_matrix_apply(&ex.m[CB_DOWN], m->down, m->gate, rows);
-    }
+    if (cb_expert_apply(&ex, m->down, m->xs, m->gate, m->up, x, m->rows, rows, H, m->inter, m->swiglu_limit, err,
+                        errlen))
+        return -1;
     for (int r = 0; r < rows; r++)
         memcpy(m->y + (size_t)m->pair_of_row[r] * (size_t)H, m->down + (size_t)r * (size_t)H,
                (size_t)H * sizeof(float));
@@ -573,6 +582,24 @@ static void stage_misses(cb_moe *m, int from) {
         if (m->n_rows[e] && m->store.slot_of[e] < 0 && !cb_experts_prefetch(&m->store, e)) return;
 }
 
+/* Every expert with rows left in m->n_rows: the resident ones first, then the misses in ascending index. */
+static int run_local(cb_moe *m, const float *x, int n, char *err, size_t errlen) {
+    for (int pass = 0; pass < 2; pass++)
+        for (int e = 0; e < m->n_experts; e++) {
+            if (!m->n_rows[e] || (m->store.slot_of[e] >= 0) != (pass == 0)) continue;
+            /* A prefill chunk can miss more experts than the pool has buffers: each one taken frees a
+             * buffer, which the next misses fill, so the reads stay ahead of the compute. */
+            if (pass == 1) stage_misses(m, e + 1);
+            int rows = gather_rows(m, e, 0, n);
+            if (run_expert(m, e, x, rows, err, errlen)) {
+                cb_experts_prefetch_cancel(&m->store);
+                return -1;
+            }
+            m->n_rows[e] = 0;   /* done: a later miss may evict it, and it must not run twice */
+        }
+    return 0;
+}
+
 int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *err, size_t errlen) {
     int E = m->n_experts, K = m->top_k, H = m->hidden;
     trim_choices(m, n);
@@ -592,23 +619,22 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
                 if (rows && run_expert(m, e, x, rows, err, errlen)) return -1;
             }
     } else {
+        /* Experts an expert worker holds (and this process does not) go out first, so the workers compute
+         * while the local ones do; their outputs land in m->y like the local ones. A worker that fails hands its
+         * experts back, and the local path reads them from disk: slower, never different. */
+        cb_remote_send(&m->store, m->n_rows, m->chosen, n, K, x, m->swiglu_limit);
         /* The misses go to the I/O pool first (it reads them in file order), the next layer's predictions
          * after them; resident experts compute while they load, the misses follow in ascending index. */
         stage_misses(m, 0);
         if (n == 1) predict_next(m, x);
-        for (int pass = 0; pass < 2; pass++)
-            for (int e = 0; e < E; e++) {
-                if (!m->n_rows[e] || (m->store.slot_of[e] >= 0) != (pass == 0)) continue;
-                /* A prefill chunk can miss more experts than the pool has buffers: each one taken frees a
-                 * buffer, which the next misses fill, so the reads stay ahead of the compute. */
-                if (pass == 1) stage_misses(m, e + 1);
-                int rows = gather_rows(m, e, 0, n);
-                if (run_expert(m, e, x, rows, err, errlen)) {
-                    cb_experts_prefetch_cancel(&m->store);
-                    return -1;
-                }
-                m->n_rows[e] = 0;   /* done: a later miss may evict it, and it must not run twice */
-            }
+        if (run_local(m, x, n, err, errlen)) {
+            cb_remote_recv(&m->store, m->n_rows, m->y);
+            return -1;
+        }
+        if (cb_remote_recv(&m->store, m->n_rows, m->y) > 0) {
+            stage_misses(m, 0);
+            if (run_local(m, x, n, err, errlen)) return -1;
+        }
     }
     if (!cb_experts_options()->moe_union && n == 1) predict_next(m, x);
     /* Each row sums its experts in ascending index, as transformers' index_add_ loop does. */

@@ -130,6 +130,14 @@ typedef struct {
     float *next_logits;        /* lookahead: the next layer's router applied to this layer's input */
 } cb_moe;
 
+/* down row r = expert(x row rows[r]) for r < n_rows: the one computation of a routed expert's output, whichever
+ * process runs it (the MoE block here and an expert worker both call it, so their bits agree). Scratch: xs n_rows x
+ * hidden, gate and up n_rows x inter. A colibri-quant expert reads the input cb_qexperts_begin quantized instead of
+ * x. swiglu_limit as cb_moe's. 0, or -1 with a message. */
+int cb_expert_apply(const cb_expert_view *ex, float *down, float *xs, float *gate, float *up, const float *x,
+                    const int *rows, int n_rows, int hidden, int inter, float swiglu_limit, char *err,
+                    size_t errlen);
+
 /* Load the router and locate the layer's experts (names: printf formats of (layer, expert), gate/up/down). */
 int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router_name,
                 const char *const expert_names[3], int n_experts, int top_k, int norm_topk_prob, int hidden,

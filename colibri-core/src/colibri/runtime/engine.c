@@ -15,7 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "expert_remote.h"
 #include "expert_stats.h"
+#include "expert_worker.h"
 #include "decide.h"
 #include "events.h"
 #include "json.h"
@@ -64,6 +66,7 @@ typedef struct {
     cb_expert_counters prefill_count;
     cb_profile prefill_prof;
     double prefill_forward_s;
+    cb_remote_counters net, prefill_net;   /* expert-worker traffic of this sequence, and at the prompt's end */
 } slot_t;
 
 typedef struct {
@@ -72,6 +75,8 @@ typedef struct {
     cb_model_info info;
     int ctx, n_slots, cap, threads, prefill_chunk;
     cb_stream_opts stream;     /* parsed here, handed to the expert store once (cb_experts_configure) */
+    const char *expert_map;    /* --expert-map: routed experts held by expert workers (expert_remote.h) */
+    int expert_timeout_ms, expert_wait_s;
     slot_t *slots;
     float *logits;             /* prefill_chunk x vocab */
     void *sample_work;
@@ -161,6 +166,13 @@ static void put_counters(cb_buf *b, const cb_expert_counters *c) {
     put_float(b, acc ? (double)c->hits / (double)acc : 0.0);
     cb_buf_printf(b, ",\"bytes_read\":%llu,\"reads\":%llu", (unsigned long long)c->bytes_read,
                   (unsigned long long)c->reads);
+}
+
+static void remote_delta(cb_remote_counters *acc, const cb_remote_counters *after, const cb_remote_counters *before) {
+#define DELTA(f) acc->f += after->f - before->f
+    DELTA(messages); DELTA(rows); DELTA(experts); DELTA(bytes_sent); DELTA(bytes_received); DELTA(layer_round_trips);
+    DELTA(failures); DELTA(fallback_experts);
+#undef DELTA
 }
 
 static void add_profile(cb_profile *acc, const cb_profile *after, const cb_profile *before) {
@@ -295,6 +307,7 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     put_counters(b, &s->count);
     put_streaming(b);
     put_profile(b, &s->prof, s->forward_s);
+    if (cb_remote_active()) cb_remote_put_counters(b, &s->net);
     cb_expert_counters dc = {s->count.hits - s->prefill_count.hits, s->count.misses - s->prefill_count.misses,
                              s->count.bytes_read - s->prefill_count.bytes_read,
                              s->count.reads - s->prefill_count.reads};
@@ -303,6 +316,11 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     cb_buf_printf(b, ",\"decode\":{\"steps\":%d", s->decode_steps);
     put_counters(b, &dc);
     put_profile(b, &dp, s->forward_s - s->prefill_forward_s);
+    if (cb_remote_active()) {
+        cb_remote_counters dn = {0};
+        remote_delta(&dn, &s->net, &s->prefill_net);
+        cb_remote_put_counters(b, &dn);
+    }
     cb_buf_puts(b, "}");
     save_slot(E, s, b);
     cb_buf_printf(b, ",\"rss_bytes\":%zu}", cb_rss_bytes());
@@ -313,6 +331,7 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
 static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_logits, char *err) {
     cb_expert_counters before = total_counters(E);
     cb_profile prof_before = cb_prof;
+    cb_remote_counters net_before = cb_remote_totals();
     double t0 = now_s();
     int pos0 = s->n_tokens;
     if (E->fam->forward(E->model, &s->kv, tokens, n, pos0, E->logits, all_logits, err, ERRLEN)) return -1;
@@ -326,6 +345,8 @@ static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_log
     s->count.misses += after.misses - before.misses;
     s->count.bytes_read += after.bytes_read - before.bytes_read;
     s->count.reads += after.reads - before.reads;
+    cb_remote_counters net = cb_remote_totals();
+    remote_delta(&s->net, &net, &net_before);
     return 0;
 }
 
@@ -414,6 +435,7 @@ static int step(engine_t *E, slot_t *s, char *err) {
         E->prefilled_total += (uint64_t)n;
         if (s->next == s->prompt_len) {
             s->prefill_count = s->count;
+            s->prefill_net = s->net;
             s->prefill_prof = s->prof;
             s->prefill_forward_s = s->forward_s;
         }
@@ -640,6 +662,8 @@ static void do_submit(engine_t *E, cb_json *req) {
     memset(&s->prof, 0, sizeof s->prof);
     s->forward_s = 0;
     memset(&s->prefill_count, 0, sizeof s->prefill_count);
+    memset(&s->net, 0, sizeof s->net);
+    memset(&s->prefill_net, 0, sizeof s->prefill_net);
     memset(&s->prefill_prof, 0, sizeof s->prefill_prof);
     s->prefill_forward_s = 0;
     cb_sampler_init(&s->sampler, (float)temperature, (float)top_p, (int)top_k, (uint64_t)seed);
@@ -684,6 +708,11 @@ static void do_stats(engine_t *E) {
         cb_buf_puts(b, "]");
     }
     cb_experts_put_maps(b, E->info.expert_layers, E->info.n_expert_layers);
+    if (cb_remote_active()) {
+        cb_remote_counters net = cb_remote_totals();
+        cb_remote_put_counters(b, &net);
+        cb_remote_put_workers(b);
+    }
     cb_buf_puts(b, "}");
     emit(E);
 }
@@ -830,6 +859,12 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
         else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
+        else if (!strcmp(a, "--expert-timeout-ms")) rc = parse_int_arg(a, v, 10, 600000, &E->expert_timeout_ms, err);
+        else if (!strcmp(a, "--expert-wait-s")) rc = parse_int_arg(a, v, 0, 86400, &E->expert_wait_s, err);
+        else if (!strcmp(a, "--expert-map")) {
+            if (!v) { snprintf(err, ERRLEN, "--expert-map needs a file path"); return -1; }
+            E->expert_map = v;
+        }
         else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
             E->stream.hotset_path = v;
@@ -852,7 +887,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
                                   "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
-                                  "--hotset, --experts-k, --experts-top-p)", a);
+                                  "--hotset, --experts-k, --experts-top-p, --expert-map, --expert-timeout-ms, "
+                                  "--expert-wait-s)", a);
             return -1;
         }
         if (rc) return -1;
@@ -918,6 +954,8 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     char err[ERRLEN];
     const char *model_dir;
     int rc = 2;
+    if (cb_expert_worker_wanted(argc, argv)) return cb_expert_worker_main(argc, argv);
+    E.expert_wait_s = 120;
     if (parse_args(&E, argc, argv, &model_dir, &hp, err)) {
         emit_fatal("bad_args", err);
         goto out;
@@ -944,6 +982,10 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     }
     if (alloc_slots(&E, err)) {
         emit_fatal("load", err);
+        goto out_threads;
+    }
+    if (E.expert_map && cb_remote_start(E.expert_map, E.expert_timeout_ms, E.expert_wait_s, err, ERRLEN)) {
+        emit_fatal("bad_args", err);
         goto out_threads;
     }
     cb_experts_after_tokens(0);   /* loads the hot-set sidecar when pinning */
@@ -1000,6 +1042,7 @@ out_threads:
         char herr[ERRLEN];
         if (cb_experts_save_hotset(herr, sizeof herr)) fprintf(stderr, "notice: %s\n", herr);
     }
+    cb_remote_stop();
     free_engine(&E);
     E.model = NULL;
     cb_experts_io_shutdown();

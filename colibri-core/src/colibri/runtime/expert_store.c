@@ -71,6 +71,12 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->pin_budget = cb_experts_options()->pin && L->cap < n_experts ? L->cap / 2 : 0;
     for (int e = 0; e < n_experts; e++) L->slot_of[e] = -1;
     for (int s = 0; s < L->cap; s++) L->expert_in[s] = -1;
+    for (int m = 0; m < 3; m++)
+        if (!(L->name_fmt[m] = strdup(names[m]))) {
+            snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
+            cb_experts_free(L);
+            return -1;
+        }
     const cb_qcontainer *qc;
     if (cb_qc_of(idx, &qc, err, errlen)) {
         cb_experts_free(L);
@@ -145,6 +151,7 @@ void cb_experts_free(cb_expert_layer *L) {
     free(L->heat);
     free(L->pinned);
     free(L->predicted);
+    for (int m = 0; m < 3; m++) free(L->name_fmt[m]);
     memset(L, 0, sizeof *L);
 }
 
@@ -207,15 +214,19 @@ static void expert_view(const cb_expert_layer *L, int e, const char *base, cb_ex
     }
 }
 
+void cb_experts_note_use(cb_expert_layer *L, int e) {
+    L->route_count[e]++;
+    L->uses[e]++;
+    trace_access(L, e);
+    if (cb_experts_options()->pin) cbx_warm_up(L, e);
+}
+
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
     if (e < 0 || e >= L->n_experts) {
         snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
         return -1;
     }
-    L->route_count[e]++;
-    L->uses[e]++;
-    trace_access(L, e);
-    if (cb_experts_options()->pin) cbx_warm_up(L, e);
+    cb_experts_note_use(L, e);
     int s = L->slot_of[e];
     if (s >= 0) {
         L->count.hits++;

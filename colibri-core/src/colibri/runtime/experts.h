@@ -131,6 +131,7 @@ typedef struct {
     int pin_budget;            /* how many experts may be pinned: half the slots when the cache is partial */
     unsigned char *predicted;  /* expert -> 1 when the previous layer's lookahead predicted it */
     int has_prediction;
+    char *name_fmt[3];         /* the gate/up/down name formats it was located with (an expert worker locates the same) */
 } cb_expert_layer;
 
 /* Locate every expert of one layer. names[m] is a printf format taking (layer, expert) for matrix m in
@@ -142,6 +143,10 @@ void cb_experts_free(cb_expert_layer *L);
 /* Make expert e resident (reading it on a miss, evicting the LRU slot, or the coldest with the hot set) and return its matrices. The view
  * stays valid until the next cb_experts_get on this layer. */
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
+
+/* Count one routing of expert e (route count, uses, heat) without making it resident: cb_experts_get does it for
+ * the experts it serves, the remote path (expert_remote.h) for those an expert worker computes. */
+void cb_experts_note_use(cb_expert_layer *L, int e);
 
 /* Queue a read of expert e into a staging buffer of the I/O pool, so it overlaps compute. A no-op when e is
  * resident or already staged, or unless prefetching is on (the prefetch option, or COLIBRI_PREFETCH=1). The
