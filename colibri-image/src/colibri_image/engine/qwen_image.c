@@ -10,7 +10,6 @@
  * StageProcess is the other end). Matrices stay in their stored dtype and go through cb_matmul, whose rows are
  * independent of the thread count, so the result never depends on --threads.
  */
-#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>

@@ -10,7 +10,6 @@
  * layer (K KDA, F full MLA), mlp_layers one per layer (D dense, M MoE).
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "decoder.h"

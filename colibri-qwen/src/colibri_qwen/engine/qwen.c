@@ -10,7 +10,6 @@
  * and weight_prefix (qwen3_5 nests the text model under model.language_model.).
  * Only full-attention layers hold KV; each DeltaNet layer keeps its state in the slot's recurrent state.
  */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
