@@ -16,7 +16,7 @@ from colibri import configs, fp8, hookimpl
 from colibri.engine_args import (
     check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values, moe_decoder_values, set_args,
 )
-from colibri.layouts import EXPERT_W, LayoutParts, mla_attention, projections
+from colibri.layouts import EXPERT_W, LayoutParts, indexer_f32_spec, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
     ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
@@ -286,12 +286,8 @@ def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
 
 @hookimpl
 def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
-    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
-    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
-    from colibri.convert.spec import spec_from_layout
-
-    layout = tensor_layout(model)
-    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
+    """Core's spec with the DSA indexer kept F32 (colibri.layouts.indexer_f32_spec says why)."""
+    return indexer_f32_spec(tensor_layout(model))
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).

@@ -17,7 +17,7 @@ from colibri.engine_args import (
     check_rope_type, grouped_router_values, kv_bytes, mla_softmax_scale, mla_values, moe_decoder_values,
     rope_scaling_values, set_args,
 )
-from colibri.layouts import LayoutParts, mla_attention, projections
+from colibri.layouts import LayoutParts, indexer_f32_spec, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
     ConverterSpec, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel,
@@ -134,12 +134,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
-    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
-    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
-    from colibri.convert.spec import spec_from_layout
-
-    layout = tensor_layout(model)
-    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
+    """Core's spec with the DSA indexer kept F32 (colibri.layouts.indexer_f32_spec says why)."""
+    return indexer_f32_spec(tensor_layout(model))
 
 
 # The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
