@@ -5,7 +5,8 @@ For a refactor that must not cost speed ("within noise") on a shared machine whe
 long: both binaries are built here from ``git archive`` of each revision (runtime + olmoe.c, colibri.compiler's
 flags), then run A B A B ... on the same prompt (prefill) and the same teacher-forced decode steps, each run a fresh
 engine process whose page cache is already warm. Every run records the 1-minute load average, so a reader can see
-how loaded the machine was; the summary is each side's median and the B/A ratio per phase.
+how loaded the machine was; the summary is each side's median, the B/A ratio of the medians and the median of
+the per-round B/A ratios (A and B of a round ran back to back), per phase.
 
     .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4]
 
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         a = statistics.median(x[phase] for x in runs["A"])
         b = statistics.median(x[phase] for x in runs["B"])
         spread = {s: (min(x[phase] for x in runs[s]), max(x[phase] for x in runs[s])) for s in runs}
+        # Each round's A and B ran back to back, so their ratio cancels the machine's slow drift in load.
+        paired = statistics.median(y[phase] / x[phase] for x, y in zip(runs["A"], runs["B"]))
         summary[phase] = {"A_median": round(a, 2), "B_median": round(b, 2), "B_over_A": round(b / a, 3),
+                          "paired_B_over_A_median": round(paired, 3),
                           "A_range": [round(v, 2) for v in spread["A"]], "B_range": [round(v, 2) for v in spread["B"]]}
     summary["load_avg_median"] = round(statistics.median(x["load_avg"] for s in runs for x in runs[s]), 2)
     summary["geometry"] = dict(g, prompt=args.prompt, decode=args.decode)
