@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = largest == "forward"
         bad += not ok
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
-        print(f"{'ok ' if ok else 'NO '} {path.relative_to(ROOT) if path.is_absolute() else path}: {shown}")
+        print(f"{'ok ' if ok else 'NO '} {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {shown}")
     return 1 if args.check and bad else 0
 
 
