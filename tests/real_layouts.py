@@ -74,11 +74,19 @@ def config_of(release: Release) -> dict:
     return dict(getattr(module, name))
 
 
+# Real Kimi K2 configs name their own type; transformers builds them as DeepSeek-V3.
+BUILD_AS = {"kimi_k2": "deepseek_v3"}
+# The model types whose releases ship their multi-token-prediction layers (DeepSeek-V3's README_WEIGHTS.md).
+SHIPS_MTP = ("deepseek_v3",)
+
+
 def build(release: Release, directory: Path) -> Path:
     """The release's header-only layout in ``directory`` (config.json, sparse shards, index)."""
     from colibri.testing.header_layout import write_layout
 
-    return write_layout(config_of(release), directory)
+    config = config_of(release)
+    model_type = config.get("model_type")
+    return write_layout(config, directory, build_as=BUILD_AS.get(model_type), mtp=model_type in SHIPS_MTP)
 
 
 @lru_cache(maxsize=None)

@@ -21,6 +21,10 @@ KV_DTYPE_BYTES = 4
 # RoPE types the runtime implements (runtime/blocks.c cb_rope_init).
 RUNTIME_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+# The colibri-quant container schemes the runtime's shared blocks run (runtime/qlinear.h), so every engine composed
+# of them does: what a family reports in Limits.quant_schemes unless its engine is narrower.
+RUNTIME_QUANT_SCHEMES = ("int8-row", "int4-g64")
+
 _RESTORE = "restore the checkpoint's original config.json"
 
 

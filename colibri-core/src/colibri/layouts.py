@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 
 from . import fp8, source_quant
 from .configs import layer_range_prefixes
-from .records import ExpertTensors, TensorLayout
+from .convert.spec import spec_from_layout
+from .records import ConverterSpec, ExpertTensors, TensorLayout
 
 GATE_UP_DOWN = ("gate", "up", "down")
 # An expert's (gate, up, down) weights under transformers' names, and under the w1/w3/w2 names of DeepSeek's and
@@ -47,6 +48,13 @@ def mla_attention(sa: str, q_lora: int, bias: bool = False, indexer: bool = Fals
         req += [ix + "wq_b.weight", ix + "wk.weight", ix + "k_norm.bias", ix + "weights_proj.weight"]
     return norms, req
 
+
+
+def indexer_f32_spec(layout: TensorLayout) -> ConverterSpec | None:
+    """Core's converter spec with the DSA lightning indexer (``mla_attention(..., indexer=True)``) kept F32 like a
+    router: its hard top-k over keys flips when rounding moves its scores, changing which keys attention sees
+    (docs/formats.md, "Quality, measured")."""
+    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
 
 @dataclass
 class LayoutParts:

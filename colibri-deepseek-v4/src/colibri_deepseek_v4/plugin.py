@@ -14,14 +14,18 @@ from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl
 from colibri.engine_args import (
-    check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values, moe_decoder_values, set_args,
+    RUNTIME_QUANT_SCHEMES, check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values,
+    moe_decoder_values, set_args,
 )
-from colibri.layouts import EXPERT_W, LayoutParts, mla_attention, projections
+from colibri.layouts import EXPERT_W, LayoutParts, indexer_f32_spec, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
     ConverterSpec, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
 )
+from colibri.output_parser import OutputParser
+
+from .syntax import SYNTAX
 
 FAMILY = "deepseek-v4"
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
@@ -286,16 +290,9 @@ def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:
 
 @hookimpl
 def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
-    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
-    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
-    from colibri.convert.spec import spec_from_layout
+    """Core's spec with the DSA indexer kept F32 (colibri.layouts.indexer_f32_spec says why)."""
+    return indexer_f32_spec(tensor_layout(model))
 
-    layout = tensor_layout(model)
-    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
-
-
-# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
-QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
@@ -305,7 +302,7 @@ def limits(model: ResolvedModel) -> Limits:
                       reason_no_engine=f"no engine for {model.model_type} (DeepSeek-V4 compressed attention) yet")
     # deepseek_v4: no colibri-quant schemes (the container expert kernels have no clamped SwiGLU).
     return Limits(max_context=configs.max_context(model.config), has_engine=True,
-                  quant_schemes=() if model.model_type == "deepseek_v4" else QUANT_SCHEMES)
+                  quant_schemes=() if model.model_type == "deepseek_v4" else RUNTIME_QUANT_SCHEMES)
 
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
@@ -477,10 +474,6 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
 
 @hookimpl
 def parse_output(model: ResolvedModel) -> Any:
-    from colibri.output_parser import OutputParser
-
-    from .syntax import SYNTAX
-
     return OutputParser(SYNTAX)
 
 

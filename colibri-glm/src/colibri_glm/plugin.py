@@ -14,15 +14,18 @@ from typing import Any, Mapping
 
 from colibri import configs, hookimpl, source_quant
 from colibri.engine_args import (
-    check_rope_type, grouped_router_values, kv_bytes, mla_softmax_scale, mla_values, moe_decoder_values,
-    rope_scaling_values, set_args,
+    RUNTIME_QUANT_SCHEMES, check_rope_type, grouped_router_values, kv_bytes, mla_softmax_scale, mla_values,
+    moe_decoder_values, rope_scaling_values, set_args,
 )
-from colibri.layouts import LayoutParts, mla_attention, projections
+from colibri.layouts import LayoutParts, indexer_f32_spec, mla_attention, projections
 from colibri.errors import ConfigError
 from colibri.records import (
     ConverterSpec, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
 )
+from colibri.output_parser import OutputParser
+
+from .syntax import SYNTAX
 
 FAMILY = "glm"
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
@@ -134,22 +137,15 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 @hookimpl
 def converter_spec(model: ResolvedModel) -> ConverterSpec | None:
-    """Core's spec, with the DSA lightning indexer kept F32 like a router: its hard top-k over keys flips when
-    rounding moves its scores, changing which keys attention sees (docs/formats.md, "Quality, measured")."""
-    from colibri.convert.spec import spec_from_layout
+    """Core's spec with the DSA indexer kept F32 (colibri.layouts.indexer_f32_spec says why)."""
+    return indexer_f32_spec(tensor_layout(model))
 
-    layout = tensor_layout(model)
-    return spec_from_layout(layout, selectors=(n for n in layout.required if ".indexer." in n))
-
-
-# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
-QUANT_SCHEMES = ("int8-row", "int4-g64")
 
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     return Limits(max_context=configs.max_context(model.config), has_engine=engine_source(model) is not None,
-                  quant_schemes=QUANT_SCHEMES)
+                  quant_schemes=RUNTIME_QUANT_SCHEMES)
 
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
@@ -228,8 +224,4 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
 
 @hookimpl
 def parse_output(model: ResolvedModel) -> Any:
-    from colibri.output_parser import OutputParser
-
-    from .syntax import SYNTAX
-
     return OutputParser(SYNTAX)

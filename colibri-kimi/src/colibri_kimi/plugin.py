@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from colibri import configs, fp8, hookimpl, source_quant
 from colibri.engine_args import (
-    check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values, moe_decoder_values, set_args,
+    RUNTIME_QUANT_SCHEMES, check_rope_type, grouped_router_values, kv_bytes, mla_rope_values, mla_values,
+    moe_decoder_values, set_args,
 )
 from colibri.layouts import EXPERT_PROJ, EXPERT_W, LayoutParts, mla_attention, projections
 from colibri.errors import ConfigError
@@ -21,6 +22,9 @@ from colibri.records import (
     EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
     TensorLayout,
 )
+from colibri.output_parser import OutputParser
+
+from .syntax import SYNTAX
 
 FAMILY = "kimi"
 MODEL_TYPES = ("kimi_k2", "kimi_linear")
@@ -153,14 +157,12 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     return parts.layout(r["cfg"], r["layers"], r["nextn"])
 
 
-# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
-QUANT_SCHEMES = ("int8-row", "int4-g64")
-
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     if engine_source(model) is not None:
-        return Limits(max_context=configs.max_context(model.config), has_engine=True, quant_schemes=QUANT_SCHEMES)
+        return Limits(max_context=configs.max_context(model.config), has_engine=True,
+                      quant_schemes=RUNTIME_QUANT_SCHEMES)
     return Limits(max_context=configs.max_context(model.config), has_engine=False,
                   reason_no_engine=f"no engine for {model.model_type}")
 
@@ -244,8 +246,4 @@ def load_tokenizer(model: ResolvedModel) -> Any:
 
 @hookimpl
 def parse_output(model: ResolvedModel) -> Any:
-    from colibri.output_parser import OutputParser
-
-    from .syntax import SYNTAX
-
     return OutputParser(SYNTAX)

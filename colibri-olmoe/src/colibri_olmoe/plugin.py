@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
-from colibri.engine_args import kv_bytes, rope_values, set_args
+from colibri.engine_args import RUNTIME_QUANT_SCHEMES, kv_bytes, rope_values, set_args
 from colibri.records import (
     DemoModel, EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel,
     ResourcePlan, TensorLayout,
@@ -104,15 +104,12 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         expert_shapes=((width, hidden), (width, hidden), (hidden, width)))
 
 
-# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
-QUANT_SCHEMES = ("int8-row", "int4-g64")
-
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     return Limits(max_context=configs.max_context(model.text_config),
                   has_engine=engine_source(model) is not None,
-                  quant_schemes=QUANT_SCHEMES)
+                  quant_schemes=RUNTIME_QUANT_SCHEMES)
 
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from colibri import configs, hookimpl
-from colibri.engine_args import kv_bytes, rope_values, set_args
+from colibri.engine_args import RUNTIME_QUANT_SCHEMES, kv_bytes, rope_values, set_args
 from colibri.errors import ConfigError
 from colibri.records import (
     EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
     TensorLayout,
 )
+from colibri.output_parser import OutputParser
+
+from .syntax import SYNTAX
 
 FAMILY = "qwen"
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -167,14 +170,11 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
                         experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped)
 
 
-# The engine composes the shared blocks, which run colibri-quant containers (runtime/qlinear.h).
-QUANT_SCHEMES = ("int8-row", "int4-g64")
-
 
 @hookimpl
 def limits(model: ResolvedModel) -> Limits:
     return Limits(max_context=configs.max_context(configs.text_config(model.config)),
-                  has_engine=engine_source(model) is not None, quant_schemes=QUANT_SCHEMES)
+                  has_engine=engine_source(model) is not None, quant_schemes=RUNTIME_QUANT_SCHEMES)
 
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
@@ -256,8 +256,4 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
 
 @hookimpl
 def parse_output(model: ResolvedModel) -> Any:
-    from colibri.output_parser import OutputParser
-
-    from .syntax import SYNTAX
-
     return OutputParser(SYNTAX)

@@ -67,11 +67,6 @@ int cb_fp8_locate(const cb_st_index *idx, const char *name, int rows, int cols, 
 int cb_fp8_load(void **buf, cb_fp8matrix *W, const cb_st_index *idx, const char *name, int rows, int cols,
                 size_t *bytes, char *err, size_t errlen);
 
-/* Read weight tensor t and its scale tensor sc into one 64-byte-aligned buffer (*buf, the caller's to free): the
- * weights first, the scales from the next 64-byte boundary (*scales); *bytes grows by both. 0, or -1 with a
- * message naming `name` (nothing allocated then). The loader of every block-scaled format. */
-int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
-                   const char *name, size_t *bytes, char *err, size_t errlen);
 
 /* ---- per-ISA bodies (fp8.c dispatches; not for engines) ---- */
 

@@ -39,34 +39,35 @@ const char *cb_hp_str_opt(cb_hparams *hp, const char *key, const char *def) {
     return v;
 }
 
-static int get_int(cb_hparams *hp, const char *key, int *out, int required, char *err, size_t errlen) {
+/* One number parser for both kinds: 1 with *out read, 0 when an optional key is absent, -1 with a message. */
+static int get_number(cb_hparams *hp, const char *key, int integer, int required, double *out, char *err,
+                      size_t errlen) {
     const char *s;
-    int rc = take(hp, key, required, "integer", &s, err, errlen);
+    int rc = take(hp, key, required, integer ? "integer" : "number", &s, err, errlen);
     if (rc <= 0) return rc;
     char *end;
     errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < -2147483647L || v > 2147483647L) {
-        snprintf(err, errlen, "--set %s=%s: not an integer", key, s);
+    double v = integer ? (double)strtol(s, &end, 10) : strtod(s, &end);
+    if (errno || end == s || *end || (integer ? v < -2147483647.0 || v > 2147483647.0 : !isfinite(v))) {
+        snprintf(err, errlen, "--set %s=%s: %s", key, s, integer ? "not an integer" : "not a finite number");
         return -1;
     }
-    *out = (int)v;
-    return 0;
+    *out = v;
+    return 1;
+}
+
+static int get_int(cb_hparams *hp, const char *key, int *out, int required, char *err, size_t errlen) {
+    double v;
+    int rc = get_number(hp, key, 1, required, &v, err, errlen);
+    if (rc > 0) *out = (int)v;
+    return rc < 0 ? -1 : 0;
 }
 
 static int get_float(cb_hparams *hp, const char *key, float *out, int required, char *err, size_t errlen) {
-    const char *s;
-    int rc = take(hp, key, required, "number", &s, err, errlen);
-    if (rc <= 0) return rc;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) {
-        snprintf(err, errlen, "--set %s=%s: not a finite number", key, s);
-        return -1;
-    }
-    *out = (float)v;
-    return 0;
+    double v;
+    int rc = get_number(hp, key, 0, required, &v, err, errlen);
+    if (rc > 0) *out = (float)v;
+    return rc < 0 ? -1 : 0;
 }
 
 int cb_hp_int(cb_hparams *hp, const char *key, int *out, char *err, size_t errlen) {

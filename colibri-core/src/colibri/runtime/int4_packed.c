@@ -13,16 +13,7 @@
 #endif
 
 float cb_i4p_scale(const cb_i4pmatrix *W, int r, int g) {
-    size_t i = (size_t)r * (size_t)(W->cols / W->group) + (size_t)g;
-    const unsigned char *p = W->scales;
-    if (W->scale_kind == CB_FP8_SCALE_BF16) {
-        uint16_t h;
-        memcpy(&h, p + 2 * i, 2);
-        return cb_bf16_to_f32(h);
-    }
-    float f;
-    memcpy(&f, p + 4 * i, 4);
-    return f;
+    return cb_scale_at(W->scales, W->scale_kind, (size_t)r * (size_t)(W->cols / W->group) + (size_t)g);
 }
 
 void cb_i4p_dequant_row_scalar(float *out, const cb_i4pmatrix *W, int r) {

@@ -213,31 +213,27 @@ void cb_silu_mul(float *gate, const float *up, int n) {
 }
 
 /* HF computes the angle as the f32 product position * inv_freq, then cos/sin in f32; each rotated value is
- * round(round(a*cos) -/+ round(b*sin)), which -ffp-contract=off reproduces here. */
-void cb_rope_neox(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq) {
+ * round(round(a*cos) -/+ round(b*sin)), which -ffp-contract=off reproduces here. The two layouts differ only in
+ * which two values of a head form pair i: (i, i + half) for NeoX, (2i, 2i + 1) interleaved. */
+static void rope_pairs(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq, int stride,
+                       int partner) {
     int half = rot_dim / 2;
     for (int i = 0; i < half; i++) {
         float angle = (float)pos * inv_freq[i];
         float c = cosf(angle), s = sinf(angle);
         for (int h = 0; h < n_heads; h++) {
-            float *head = x + (size_t)h * head_dim;
-            float a = head[i], b = head[i + half];
-            head[i] = a * c - b * s;
-            head[i + half] = b * c + a * s;
+            float *a_at = x + (size_t)h * head_dim + (size_t)i * stride, *b_at = a_at + partner;
+            float a = *a_at, b = *b_at;
+            *a_at = a * c - b * s;
+            *b_at = b * c + a * s;
         }
     }
 }
 
+void cb_rope_neox(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq) {
+    rope_pairs(x, n_heads, head_dim, rot_dim, pos, inv_freq, 1, rot_dim / 2);
+}
+
 void cb_rope_interleaved(float *x, int n_heads, int head_dim, int rot_dim, int pos, const float *inv_freq) {
-    int half = rot_dim / 2;
-    for (int i = 0; i < half; i++) {
-        float angle = (float)pos * inv_freq[i];
-        float c = cosf(angle), s = sinf(angle);
-        for (int h = 0; h < n_heads; h++) {
-            float *head = x + (size_t)h * head_dim;
-            float a = head[2 * i], b = head[2 * i + 1];
-            head[2 * i] = a * c - b * s;
-            head[2 * i + 1] = b * c + a * s;
-        }
-    }
+    rope_pairs(x, n_heads, head_dim, rot_dim, pos, inv_freq, 2, 1);
 }

@@ -18,6 +18,8 @@
 #define CB_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
 #define CB_SUFFIX _avx512
 
+#include "kernels_tree8.h"
+
 typedef __m512 V16;
 
 static inline __attribute__((always_inline)) CB_TARGET V16 v16_zero(void) { return _mm512_setzero_ps(); }
@@ -39,10 +41,7 @@ static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     __m256 lo = _mm512_castps512_ps256(v);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     __m256 s8 = _mm256_add_ps(lo, hi);                                           /* s8[i] = l[i] + l[i+8] */
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* s8[i] + s8[i+4] */
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                            /* s4[i] + s4[i+2] */
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));                        /* s2[0] + s2[1] */
-    return _mm_cvtss_f32(s1);
+    return cb_tree8_reduce(s8);
 }
 
 #else /* CB_AVX512_ON_AVX2 */

@@ -5,6 +5,8 @@
 #ifndef COLIBRI_KERNELS_V16_AVX2_H
 #define COLIBRI_KERNELS_V16_AVX2_H
 
+#include "kernels_tree8.h"
+
 typedef struct {
     __m256 lo, hi;
 } V16;
@@ -40,10 +42,7 @@ static inline __attribute__((always_inline)) CB_TARGET void v16_store(float *p, 
 }
 static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     __m256 s8 = _mm256_add_ps(v.lo, v.hi);                                       /* s8[i] = l[i] + l[i+8] */
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* s8[i] + s8[i+4] */
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                            /* s4[i] + s4[i+2] */
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));                        /* s2[0] + s2[1] */
-    return _mm_cvtss_f32(s1);
+    return cb_tree8_reduce(s8);
 }
 
 #endif

@@ -97,25 +97,15 @@ int cb_qlinear_load(void **buf, cb_qmatrix *q, const cb_st_index *idx, const cha
     const cb_qc_entry *e = qc ? cb_qc_find(qc, name) : NULL;
     if (!e || !is_quantized(e)) return 1;
     if (check_parts(e, rows, cols, err, errlen)) return -1;
-    size_t qb = (size_t)e->qweight->nbytes, sb = (size_t)e->scales->nbytes;
-    char *b = aligned_alloc(64, (qb + sb + 63) / 64 * 64);
-    if (!b) {
-        snprintf(err, errlen, "out of memory loading %s (%zu bytes)", name, qb + sb);
-        return -1;
-    }
-    if (cb_st_pread(idx, e->qweight->shard, b, qb, e->qweight->offset, err, errlen) ||
-        cb_st_pread(idx, e->scales->shard, b + qb, sb, e->scales->offset, err, errlen)) {
-        free(b);
-        return -1;
-    }
-    if (cb_qc_matrix(e, b, b + qb, q)) {
+    const void *scales;
+    if (cb_scaled_read(buf, &scales, idx, e->qweight, e->scales, name, bytes, err, errlen)) return -1;
+    if (cb_qc_matrix(e, *buf, scales, q)) {
         snprintf(err, errlen, "tensor %s: %s [%d, %d] is not usable by the integer kernels", name,
                  kind_name(e->kind), rows, cols);
-        free(b);
+        free(*buf);
+        *buf = NULL;
         return -1;
     }
-    *buf = b;
-    if (bytes) *bytes += qb + sb;
     return 0;
 }
 

@@ -494,3 +494,22 @@ void *cb_st_load(const cb_st_index *idx, const cb_tensor *t, char *err, size_t e
     }
     return buf;
 }
+
+int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
+                   const char *name, size_t *bytes, char *err, size_t errlen) {
+    size_t wbytes = (size_t)t->nbytes, at = (wbytes + 63) / 64 * 64;
+    char *b = aligned_alloc(64, (at + (size_t)sc->nbytes + 63) / 64 * 64 + 64);
+    if (!b) {
+        snprintf(err, errlen, "out of memory loading %s (%zu bytes)", name, wbytes);
+        return -1;
+    }
+    if (cb_st_pread(idx, t->shard, b, t->nbytes, t->offset, err, errlen) ||
+        cb_st_pread(idx, sc->shard, b + at, sc->nbytes, sc->offset, err, errlen)) {
+        free(b);
+        return -1;
+    }
+    *buf = b;
+    *scales = b + at;
+    if (bytes) *bytes += (size_t)t->nbytes + (size_t)sc->nbytes;
+    return 0;
+}

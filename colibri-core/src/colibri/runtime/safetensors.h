@@ -61,4 +61,11 @@ int cb_st_pread(const cb_st_index *idx, int shard, void *dst, uint64_t n, uint64
 /* Allocate a 64-byte aligned buffer and read the whole tensor into it. NULL with a message on failure. */
 void *cb_st_load(const cb_st_index *idx, const cb_tensor *t, char *err, size_t errlen);
 
+/* Read weight tensor t and its scale tensor sc into one 64-byte-aligned buffer (*buf, the caller's to free): the
+ * weights first, the scales from the next 64-byte boundary (*scales); *bytes grows by both. 0, or -1 with a
+ * message naming `name` (nothing allocated then). The reader of every format that stores a matrix as weights plus
+ * scales (fp8, fp4, colibri-quant int8/int4). */
+int cb_scaled_read(void **buf, const void **scales, const cb_st_index *idx, const cb_tensor *t, const cb_tensor *sc,
+                   const char *name, size_t *bytes, char *err, size_t errlen);
+
 #endif

@@ -9,12 +9,13 @@ computes with). On top of that, what the release adds that transformers does not
 * FP8 block quantization (``quantization_config.quant_method == "fp8"``, DeepSeek-V3's format): every 2-D
   projection inside the decoder layers is ``F8_E4M3`` with an F32 ``<name>_scale_inv`` of
   ``ceil(rows / 128) x ceil(cols / 128)``; routers, norms, embeddings and the LM head stay BF16, the routing bias F32;
-* DeepSeek-V3's multi-token-prediction layers (``num_nextn_predict_layers``, ``model_type`` deepseek_v3 only): a
+* with ``mtp=True``, multi-token-prediction layers as DeepSeek-V3 ships them (``num_nextn_predict_layers``): a
   whole decoder layer numbered after the last, plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``
   (README_WEIGHTS.md of the release).
 
-Use: ``write_layout(config, directory)``; the directory then holds config.json, the shards and
-``model.safetensors.index.json``, as a download would, without a tokenizer.
+Use: ``write_layout(config, directory, build_as=..., mtp=...)``; the directory then holds config.json, the shards
+and ``model.safetensors.index.json``, as a download would, without a tokenizer. Which release needs which switch
+is the caller's knowledge (tests/real_layouts.py): nothing here names a family or a model type.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from ..header_copy import write_sparse_shard
 
 SHARD_BYTES = 5 * 10 ** 9
 TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-BUILD_AS = {"kimi_k2": "deepseek_v3"}      # real Kimi K2 configs name their own type; transformers builds DeepSeek-V3
 NOT_CONFIG = ("quantization_config", "architectures", "auto_map", "model_type", "torch_dtype", "dtype")
 FP8_ROUTING_BUFFERS = ("e_score_correction_bias",)
 
 
-def _build(config: dict[str, Any]):
+def _build(config: dict[str, Any], build_as: str | None):
     import torch
     import transformers
     from transformers import AutoConfig
 
-    model_type = BUILD_AS.get(config["model_type"], config["model_type"])
+    model_type = build_as or config["model_type"]
     fields = {k: v for k, v in config.items() if k not in NOT_CONFIG}
     hf_config = AutoConfig.for_model(model_type, **fields)
     with torch.device("meta"):
@@ -48,11 +48,16 @@ def _build(config: dict[str, Any]):
         return transformers.AutoModelForCausalLM.from_config(hf_config)
 
 
-def release_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``name -> (shape, safetensors dtype)`` of every tensor the release of ``config`` stores."""
+def release_tensors(config: dict[str, Any], build_as: str | None = None,
+                    mtp: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (shape, safetensors dtype)`` of every tensor the release of ``config`` stores.
+
+    ``build_as``: the transformers model type to build when the release's own is not one transformers knows (a
+    release that names its own type for another's architecture); ``mtp``: the release ships its
+    ``num_nextn_predict_layers`` multi-token-prediction layers."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    model = _build(config)
+    model = _build(config, build_as)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False) or config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -60,7 +65,7 @@ def release_tensors(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], 
     dtype = TORCH_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), "BF16")
     out = {name: (tuple(t.shape), "F32" if name.endswith(FP8_ROUTING_BUFFERS) else dtype)
            for name, t in state.items()}
-    if config.get("model_type") == "deepseek_v3":
+    if mtp:
         out.update(_mtp_layers(config, out))
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") == "fp8":
@@ -106,13 +111,15 @@ def _layer_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)) + 1 if m else 0, name)
 
 
-def write_layout(config: dict[str, Any], directory: Path, shard_bytes: int = SHARD_BYTES) -> Path:
-    """config.json, sparse shards of about ``shard_bytes`` each (layer order, as releases are cut) and the index."""
+def write_layout(config: dict[str, Any], directory: Path, shard_bytes: int = SHARD_BYTES, build_as: str | None = None,
+                 mtp: bool = False) -> Path:
+    """config.json, sparse shards of about ``shard_bytes`` each (layer order, as releases are cut) and the index;
+    ``build_as`` and ``mtp`` as in :func:`release_tensors`."""
     from ..checkpoint import DTYPE_BYTES
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    tensors = release_tensors(config)
+    tensors = release_tensors(config, build_as, mtp)
     groups: list[list[tuple[str, tuple[int, ...], str, int]]] = [[]]
     size = 0
     for name in sorted(tensors, key=_layer_key):

@@ -11,7 +11,6 @@
  * Kimi Linear (KDA + NoPE MLA) is its own composition with its own binary (kimi_linear.c); the plugin's
  * engine_source picks the binary by model_type.
  */
-#include <stdio.h>
 
 #include "decoder.h"
 #include "engine.h"

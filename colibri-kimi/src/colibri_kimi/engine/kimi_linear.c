@@ -10,7 +10,6 @@
  * layer (K KDA, F full MLA), mlp_layers one per layer (D dense, M MoE).
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "decoder.h"
@@ -59,22 +58,20 @@ static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
     return 0;
 }
 
-static int load_kda(kimi_linear *m, kl_layer *L, int l, char *err, size_t errlen) {
-    int H = m->d.hidden, W = m->kda_width, D = m->kda.head_dim;
-    struct { cb_linear *lin; const char *leaf; int rows, cols; } mats[] = {
-        {&L->q, "q_proj", W, H}, {&L->k, "k_proj", W, H}, {&L->v, "v_proj", W, H},
-        {&L->f_a, "f_a_proj", D, H}, {&L->f_b, "f_b_proj", W, D}, {&L->b, "b_proj", m->kda.n_heads, H},
-        {&L->g_a, "g_a_proj", D, H}, {&L->g_b, "g_b_proj", W, D}, {&L->o, "o_proj", H, W},
-    };
-    char sa[128], name[320];
-    snprintf(sa, sizeof sa, "model.layers.%d.self_attn.", l);
-    for (size_t i = 0; i < sizeof mats / sizeof *mats; i++) {
-        snprintf(name, sizeof name, "%s%s.weight", sa, mats[i].leaf);
-        if (cb_load_linear(mats[i].lin, &m->d.idx, name, mats[i].rows, mats[i].cols, &m->d.dense_bytes, err, errlen))
-            return -1;
-    }
-    return cb_kda_init(&L->kda, &m->d.idx, sa, &m->kda, &m->d.dense_bytes, err, errlen);
-}
+/* The KDA layers' projections (the full layers' MLA loads its own). */
+#define SA "model.layers.%d.self_attn."
+static const cb_tensor_spec TENSORS[] = {
+    CB_LINEAR_ON(SA "q_proj.weight", kl_layer, q, kimi_linear, kda_width, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "k_proj.weight", kl_layer, k, kimi_linear, kda_width, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "v_proj.weight", kl_layer, v, kimi_linear, kda_width, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "f_a_proj.weight", kl_layer, f_a, kimi_linear, kda.head_dim, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "f_b_proj.weight", kl_layer, f_b, kimi_linear, kda_width, kda.head_dim, attn_layers, "K"),
+    CB_LINEAR_ON(SA "b_proj.weight", kl_layer, b, kimi_linear, kda.n_heads, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "g_a_proj.weight", kl_layer, g_a, kimi_linear, kda.head_dim, d.hidden, attn_layers, "K"),
+    CB_LINEAR_ON(SA "g_b_proj.weight", kl_layer, g_b, kimi_linear, kda_width, kda.head_dim, attn_layers, "K"),
+    CB_LINEAR_ON(SA "o_proj.weight", kl_layer, o, kimi_linear, d.hidden, kda_width, attn_layers, "K"),
+    CB_TENSORS_END,
+};
 
 static int load_layer(void *ptr, int l, char *err, size_t errlen) {
     kimi_linear *m = ptr;
@@ -87,7 +84,9 @@ static int load_layer(void *ptr, int l, char *err, size_t errlen) {
     }
     L->state_off = m->state;
     m->state += cb_kda_state_floats(&m->kda);
-    return load_kda(m, L, l, err, errlen);
+    char sa[128];
+    snprintf(sa, sizeof sa, SA, l);
+    return cb_kda_init(&L->kda, &m->d.idx, sa, &m->kda, &m->d.dense_bytes, err, errlen);
 }
 
 static const cb_scratch_spec SCRATCH[] = {
@@ -143,14 +142,12 @@ static void free_layer(void *model, void *layer) {
     (void)model;
     kl_layer *L = layer;
     cb_latent_free(&L->mla);
-    cb_linear *lins[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->o};
-    for (size_t i = 0; i < sizeof lins / sizeof *lins; i++) cb_linear_free(lins[i]);
     cb_kda_free(&L->kda);
 }
 
 static const cb_recipe RECIPE = {
     .hparams = HPARAMS, .model_size = sizeof(kimi_linear), .layer_size = sizeof(kl_layer),
-    .layers_at = offsetof(kimi_linear, layers), .routed = CB_FFN_GROUPED,
+    .layers_at = offsetof(kimi_linear, layers), .tensors = TENSORS, .routed = CB_FFN_GROUPED,
     .moe_prefix = "model.layers.%d.block_sparse_moe.",
     /* The original checkpoints keep a dense layer under mlp.; transformers saves it under block_sparse_moe. */
     .dense_prefixes = {"model.layers.%d.mlp.", "model.layers.%d.block_sparse_moe."},
