@@ -15,8 +15,8 @@ from ..server.config import API_KEY_ENV
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
-                      PreloadOption, kv_options, streaming_options)
+                      IoOption, IoThreadsOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption,
+                      PrefetchOption, PreloadOption, TuneProfileOption, kv_options, streaming_options, tune_profile)
 
 DEFAULT_MAX_TOKENS = 1024
 COMMANDS = "/reset (new conversation), /stats (token reuse and speed), /help, /exit"
@@ -110,7 +110,9 @@ def chat_command(
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
     prefetch: Optional[bool] = PrefetchOption,
-    lookahead: bool = LookaheadOption,
+    lookahead: Optional[bool] = LookaheadOption,
+    io_threads: Optional[int] = IoThreadsOption,
+    use_tune_profile: bool = TuneProfileOption,
     preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
@@ -170,7 +172,8 @@ def chat_command(
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
-                                                      preload))
+                                                      preload),
+                          tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
     kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)
     store = launch.kv_store_for(spec, kv_opts)
     transcript = store.directory / TRANSCRIPT

@@ -900,6 +900,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &E->stream.moe_union, err);
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
         else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
+        else if (!strcmp(a, "--io-threads")) rc = parse_int_arg(a, v, 1, CB_IO_THREADS_MAX,
+                                                                  &E->stream.io_threads, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
         else if (!strcmp(a, "--hotset")) {
             if (!v) { snprintf(err, ERRLEN, "--hotset needs a file path"); return -1; }
@@ -935,7 +937,7 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
-                                  "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
+                                  "--pin, --lookahead, --preload, --io, --io-stages, --io-threads, --moe-union, --repin-every, "
                                   "--hotset, --experts-k, --experts-top-p)", a);
             return -1;
         }
