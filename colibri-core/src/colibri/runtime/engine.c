@@ -937,8 +937,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             if (!hp->keys[hp->n - 1] || !hp->values[hp->n - 1]) { snprintf(err, ERRLEN, "out of memory"); return -1; }
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
-                                  "--pin, --lookahead, --preload, --io, --io-stages, --io-threads, --moe-union, --repin-every, "
-                                  "--hotset, --experts-k, --experts-top-p)", a);
+                                  "--pin, --lookahead, --preload, --io, --io-stages, --io-threads, --moe-union, "
+                                  "--repin-every, --hotset, --experts-k, --experts-top-p)", a);
             return -1;
         }
         if (rc) return -1;
