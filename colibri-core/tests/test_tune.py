@@ -54,7 +54,8 @@ def test_tune_writes_a_valid_profile_with_a_tiny_budget(config, tmp_path):
     assert [(p.direct, p.depth) for p in profile.reads] == [(m, d) for m in modes for d in tune.DEPTHS]
     assert all(p.reads >= p.depth and p.bytes_per_s > 0 for p in profile.reads), "every reader read at least once"
     c = profile.choices
-    assert c.io_threads in tune.DEPTHS and c.io in ("buffered", "direct") if profile.direct_supported else "buffered"
+    assert c.io_threads in tune.DEPTHS
+    assert c.io in (("buffered", "direct") if profile.direct_supported else ("buffered",))
     chosen = next(p for p in profile.reads if p.depth == c.io_threads and p.direct == (c.io == "direct"))
     assert c.disk_bandwidth == chosen.bytes_per_s
     assert c.staging_buffers == max(4, 2 * c.io_threads)
@@ -108,7 +109,7 @@ def trained():
 @pytest.fixture
 def fake(tmp_path, monkeypatch, trained, config):
     monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
-    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))    # no earlier disk measurement
+    monkeypatch.setattr("colibri.sysinfo.cached_read_bandwidth", lambda path: None)   # no earlier measurement
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))
     monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
@@ -199,3 +200,19 @@ def test_a_corrupt_profile_is_ignored_with_one_warning(fake, capsys):
     good = synthetic_profile(fake)
     tune.save_profile(good, fake)
     assert tune.load_profile(fake) == good and not list(path.parent.glob("*.tmp*"))
+
+
+def test_tune_on_a_model_reads_its_own_shards_and_run_picks_the_profile_up(fake):
+    shards = {p: p.read_bytes() for p in fake.glob("*.safetensors")}
+    res = invoke("tune", "--model", fake, "--seconds", "0.2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert Path(data["measured_on"]) in shards and data["directory"] == str(fake)
+    assert {p: p.read_bytes() for p in fake.glob("*.safetensors")} == shards, "the shards are only read"
+    assert Path(data["profile"]) == tune.profile_path(fake)
+    ram = partial_ram_gib(resolve_model(str(fake)))
+    run = invoke("run", "hello", "--model", fake, "--raw", "--max-tokens", 2, "--temp", 0, "--ctx", 128,
+                 "--ram", ram, "--json")
+    stats = json.loads(run.stdout)["stats"]
+    assert stats["disk_bound_source"] == f"coli tune at queue depth {data['choices']['io_threads']}"
+    assert invoke("tune", "--model", fake, "--dir", fake).exit_code == 1

@@ -229,13 +229,16 @@ def measure_expert(hidden: int, width: int, scheme: str, rows: int, threads: int
     argv = [str(binary), str(hidden), str(width), scheme, str(rows), str(threads), repr(max(seconds, 0.001))]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60 + 10 * seconds, check=False)
-        answer = json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TuneError(f"the expert-kernel probe {binary} did not run: {exc}", "coli doctor checks the compiler") \
+            from None
+    try:
+        answer = json.loads(done.stdout)
         return float(answer["expert_s"]), str(answer["qpath"])
-    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
-        detail = locals().get("done")
-        why = detail.stderr.strip().splitlines()[-1] if detail is not None and detail.stderr.strip() else "no answer"
-        raise TuneError(f"the expert-kernel probe failed: {why}", "coli doctor checks the compiler") from None
-
+    except (ValueError, KeyError, TypeError):
+        lines = done.stderr.strip().splitlines()
+        raise TuneError(f"the expert-kernel probe failed (exit {done.returncode}): "
+                        f"{lines[-1] if lines else 'no answer'}", "coli doctor checks the compiler") from None
 
 # ---------------------------------------------------------------------------------------------- choices
 
