@@ -21,7 +21,7 @@ from colibri.model import resolve_model
 from colibri.streaming import stats_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from fakefamily import install_engine_wrapper, make_checkpoint, register
+from fakefamily import fake_model
 
 MB = 1 << 20
 
@@ -108,14 +108,13 @@ def trained():
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch, trained, config):
-    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
+    from colibri.cachedir import cache_root
+
+    cache = cache_root()
+    model = fake_model(tmp_path, monkeypatch, trained)
+    monkeypatch.setenv("COLIBRI_CACHE", str(cache))   # the session's: the kernel probe is built once
     monkeypatch.setattr("colibri.sysinfo.cached_read_bandwidth", lambda path: None)   # no earlier measurement
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))
-    monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
-    plugins.reset()
-    register()
-    yield make_checkpoint(tmp_path / "model", trained)
+    yield model
     plugins.reset()
 
 

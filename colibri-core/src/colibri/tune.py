@@ -53,10 +53,6 @@ DEFAULT_FILE_BYTES = 256 * 1024 * 1024
 DEFAULT_SECONDS = 8.0
 
 
-class TuneError(ColibriError):
-    """A measurement that could not be taken (unreadable file, probe that did not build or run)."""
-
-
 @dataclass(frozen=True)
 class ReadPoint:
     """Random expert-sized reads at one queue depth: bytes/s over the whole run and the median seconds per read."""
@@ -100,6 +96,10 @@ class TuneProfile:
 
 
 # ---------------------------------------------------------------------------------------------- reads
+
+class TuneError(ColibriError):
+    """A measurement that could not be taken (unreadable file, probe that did not build or run)."""
+
 
 def _open(path: Path, direct: bool) -> int:
     return os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
