@@ -215,3 +215,36 @@ def test_tune_on_a_model_reads_its_own_shards_and_run_picks_the_profile_up(fake)
     stats = json.loads(run.stdout)["stats"]
     assert stats["disk_bound_source"] == f"coli tune at queue depth {data['choices']['io_threads']}"
     assert invoke("tune", "--model", fake, "--dir", fake).exit_code == 1
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("flags, tuned", [((), True), (("--no-tune-profile",), False)])
+def test_serve_takes_the_profile_for_its_engine_and_disk_bound(fake, monkeypatch, flags, tuned):
+    tune.save_profile(synthetic_profile(fake, io_threads=4, lookahead=True), fake)
+    seen = {}
+
+    def config(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    def prepare(*args, **kwargs):
+        seen["spec"] = real_prepare(*args, **kwargs)
+        return seen["spec"]
+
+    real_prepare = launch.prepare
+    monkeypatch.setattr(launch, "prepare", prepare)
+    monkeypatch.setattr("colibri.cli.serve.bind_socket", lambda host, port: None)
+    monkeypatch.setattr("colibri.server.ServerConfig", config)
+    res = CliRunner().invoke(app, ["serve", "--model", str(fake), "--ctx", "128", "--kv-slots", "1", "--ram",
+                                   str(partial_ram_gib(resolve_model(str(fake)))), *flags])
+    assert "_Stop" in res.output and "disk_bandwidth" in seen, res.output   # stopped before anything listens
+    argv = seen["spec"].argv
+    if tuned:
+        assert flag(argv, "--io-threads") == "4" and flag(argv, "--lookahead") == "on", " ".join(argv)
+        assert seen["disk_bandwidth"] == 1.5e9 and seen["disk_bandwidth_source"] == "coli tune at queue depth 4"
+    else:
+        assert "--io-threads" not in argv and "--lookahead" not in argv
+        assert seen["disk_bandwidth"] == 0 and seen["disk_bandwidth_source"].startswith("unknown")
