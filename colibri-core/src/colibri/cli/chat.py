@@ -134,6 +134,7 @@ def chat_command(
     from ..cachedir import cache_root
     from ..chat_input import LineSource
     from ..chat_session import ChatSession
+    from ..disk_bound import disk_bound_for
     from .. import hooks
     from ..prompt import choose_sampling, thinking_kwargs
 
@@ -187,8 +188,14 @@ def chat_command(
             resume_session(session, transcript, interactive)
         if interactive:
             sys.stderr.write(f"{resolved.path.name} ({resolved.family}) ready. {HELP_TEXT}\n")
-        converse(session, source, interactive, engine.stats, lambda _exc: not engine.alive,
-                 lambda text: session.turn(text, _write))
+        disk = disk_bound_for(spec)
+
+        def local_turn(text: str):
+            reply = session.turn(text, _write)
+            reply.stats.update(disk.share(reply.stats))   # the stats line's share of the disk bound
+            return reply
+
+        converse(session, source, interactive, engine.stats, lambda _exc: not engine.alive, local_turn)
 
 
 TRANSCRIPT = "chat.json"    # the model's last `coli chat` conversation, in its kv directory
