@@ -114,3 +114,17 @@ def test_quarter_cache_streams_and_keeps_the_tokens(big_model, olmoe_facts):
     assert s["bytes_read"] > layers * small["cap"] * SPEC.expert_bytes
     # The process stays inside the budget (weights are read with pread, not mapped) and far below the model.
     assert 0 < s["rss_bytes"] <= small["ram_bytes"]
+
+
+def test_io_threads_change_the_readers_never_the_tokens(big_model, olmoe_facts):
+    # coli tune's --io-threads (1 to 8 reads in flight) through the real engine's I/O pool and preload
+    budget = demo.budget_for_cache_fraction(olmoe_facts, ctx=CTX, fraction=0.25)
+    ram = repr((budget + (1 << 20)) / GIB)
+    one, eight = (coli_run(big_model, "--ram", ram, "--io-threads", n, "--no-tune-profile") for n in ("1", "8"))
+    assert one["cap"] == eight["cap"] == SPEC.experts // 4
+    assert one["generated_ids"] == eight["generated_ids"], "the reader count changed the tokens"
+    for stats in (one["stats"], eight["stats"]):
+        assert stats["bytes_read"] == stats["reads"] * SPEC.expert_bytes
+    preloaded = coli_run(big_model, "--cap", "0", "--io-threads", "8", "--no-tune-profile")
+    assert preloaded["generated_ids"] == one["generated_ids"]
+    assert preloaded["stats"]["expert_misses"] <= SPEC.layers * SPEC.experts

@@ -34,8 +34,8 @@ def parse_args(argv):
         if a in ("--model", "--ctx", "--slots", "--cap", "--threads"):
             opts[a[2:]] = argv[i + 1] if a == "--model" else int(argv[i + 1])
             i += 2
-        elif a in ("--prefetch", "--lookahead", "--pin", "--preload", "--io", "--io-stages", "--moe-union",
-                   "--experts-k", "--experts-top-p"):
+        elif a in ("--prefetch", "--lookahead", "--pin", "--preload", "--io", "--io-stages", "--io-threads",
+                   "--prefill-chunk", "--moe-union", "--experts-k", "--experts-top-p"):
             opts[a[2:]] = argv[i + 1]   # streaming options: accepted like the real engine, no effect on tokens
             i += 2
         elif a == "--set":

@@ -132,3 +132,27 @@ def test_a_record_takes_the_decode_phase_for_the_disk_bound():
     assert newer["disk_bound_tps"] == pytest.approx(1e7) and newer["share_of_disk_bound"] == pytest.approx(4e-6)
     assert (newer["route"], newer["slot"], newer["user"]) == ("messages", 1, "u")
     assert DiskBound().tokens_per_s(0.5) is None and DiskBound(1e9, "x", 1000).tokens_per_s(1.0) is None
+
+
+def test_metrics_gauge_reports_the_latest_decode_as_a_share_of_the_disk_bound(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat(served.base, 3)
+    text = httpx.get(served.base + "/metrics", headers=AUTH, timeout=10).text
+    gauges = {f.name: f for f in text_string_to_metric_families(text)}
+    share = gauges["colibri_decode_disk_bound_share"]
+    assert share.type == "gauge" and share.samples[0].value == pytest.approx(50.0 / 2e6)
+
+
+def test_an_unknown_disk_bound_is_nan_on_metrics_and_none_in_the_done_fields():
+    import math
+
+    from colibri.server.observe import DiskBound, Profile
+
+    profile = Profile(DiskBound(0.0, "unknown: run coli tune", 1000))
+    assert math.isnan(profile.latest_share())
+    done = {"decode_tps": 5.0, "hit_rate": 0.5}
+    assert profile.disk.share(done) == {"disk_bound_tps": None, "share_of_disk_bound": None,
+                                        "disk_bound_source": "unknown: run coli tune"}
+    profile.record(done, "chat", 0)
+    assert math.isnan(profile.latest_share())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from . import builder, hooks
 from .engine import DEFAULT_READY_TIMEOUT, Engine
@@ -36,7 +36,7 @@ class Streaming:
 
     prefetch: bool | None = None
     pin: bool | None = None
-    lookahead: bool = False
+    lookahead: bool | None = None    # None: as coli tune measured (off without a profile)
     preload: bool | None = None
     io: str = "auto"
     experts_k: int | None = None
@@ -91,6 +91,7 @@ class LaunchSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     streaming: Streaming = Streaming()
+    tune: Any = None                  # the coli tune profile used (colibri.tune.TuneProfile), None: untuned
 
     @property
     def cap(self) -> int:
@@ -176,7 +177,8 @@ STREAMING_PREFILL_CHUNK = 128           # prompt tokens per pass when experts st
 PREFILL_SCORES_BUDGET = 64 << 20        # attention-score scratch the bigger chunk may cost at most
 
 
-def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool) -> int | None:
+def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool,
+                  wanted: int = STREAMING_PREFILL_CHUNK) -> int | None:
     """Prompt tokens per forward pass, or None for the engine's default (32).
 
     When the expert cache is partial, each prefill pass reads every expert its rows route to once (batch-union), so
@@ -187,7 +189,7 @@ def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool) -> int | Non
         return None
     heads = max(1, facts.geometry.num_heads)
     fits = PREFILL_SCORES_BUDGET // (heads * max(1, ctx) * 4)
-    chunk = min(STREAMING_PREFILL_CHUNK, fits)
+    chunk = min(wanted, fits)
     return chunk if chunk > 32 else None
 
 
@@ -220,8 +222,11 @@ def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None)
 
 def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | None = None, slots: int = 1,
             cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None,
-            streaming: Streaming | None = None) -> LaunchSpec:
-    """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv."""
+            streaming: Streaming | None = None, tune: Any = None, io_threads: int | None = None) -> LaunchSpec:
+    """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv.
+
+    ``tune`` (a :class:`colibri.tune.TuneProfile`) sets what the flags leave open: I/O threads, staging buffers,
+    the streaming prefill chunk and lookahead; ``io_threads`` and ``streaming.lookahead`` given explicitly win."""
     facts = facts or load_facts(model)
     # The engine is never started on a checkpoint whose tensors contradict the family's layout (what
     # doctor --deep and convert refuse too): it would read past its arrays or compute with the wrong shapes.
@@ -243,17 +248,52 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
 
         print_warning(f"lossy routing ({streaming.lossy_label()}): tokens will differ from the model's own routing")
     partial = 0 < plan.cache_slots_per_layer < plan.experts_per_layer
+    if io_threads is not None and not 1 <= io_threads <= IO_THREADS_MAX:
+        raise UsageError(f"--io-threads {io_threads}: must be 1 to {IO_THREADS_MAX}",
+                         "leave it out for what coli tune measured (or the engine's 2)")
+    top_k = facts.geometry.top_k or 1
+    tuned = tuned_streaming(tune, streaming, top_k, partial)
+    streaming, io_threads = tuned.streaming, io_threads or tuned.io_threads
     engine_cap, stages = plan.cache_slots_per_layer, None
     if partial and not cap and (streaming.prefetch is None or streaming.prefetch):   # an explicit --cap is obeyed
         # prefetching stays inside --ram: its staging buffers come out of the cache's budget
-        engine_cap, stages = streaming_split(plan, facts.geometry.top_k or 1)
-    chunk = prefill_chunk(facts, ctx, partial)
+        engine_cap, stages = streaming_split(plan, top_k, tuned.staging_buffers)
+    chunk = prefill_chunk(facts, ctx, partial, tuned.prefill_chunk or STREAMING_PREFILL_CHUNK)
     argv = (str(binary), "--model", str(model.path), "--ctx", str(ctx), "--slots", str(slots),
             "--cap", str(engine_cap), "--threads", str(threads),
             *(("--prefill-chunk", str(chunk)) if chunk else ()),
             *(("--io-stages", str(stages)) if stages else ()),
+            *(("--io-threads", str(io_threads)) if io_threads else ()),
             *streaming.engine_args(partial), *env.args)
-    return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming)
+    return LaunchSpec(facts, plan, ctx, slots, threads, argv, dict(env.env), streaming, tune)
+
+
+IO_THREADS_MAX = 8   # the engine's CB_IO_THREADS_MAX
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What a coli tune profile sets for one launch (0 / None: the untuned default)."""
+
+    streaming: Streaming
+    io_threads: int = 0
+    staging_buffers: int | None = None
+    prefill_chunk: int = 0
+
+
+def tuned_streaming(tune: Any, streaming: Streaming, top_k: int, partial: bool) -> Tuned:
+    """The profile's choices where the flags left them open. Lookahead only when the cache is partial (with every
+    expert resident nothing is read); the staging buffers are the profile's (a reader's buffer being filled and one
+    waiting) but at least one per routed expert, plus one per routed expert of the next layer with lookahead."""
+    if tune is None:
+        return Tuned(streaming)
+    c = tune.choices
+    if streaming.lookahead is None and partial and c.lookahead and streaming.prefetch is not False:
+        from dataclasses import replace
+
+        streaming = replace(streaming, lookahead=True)
+    stages = max(top_k, c.staging_buffers) + (top_k if streaming.lookahead else 0)
+    return Tuned(streaming, c.io_threads, min(64, stages), c.prefill_chunk)
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,15 @@ def staging_stages(top_k: int) -> int:
     return min(64, max(MIN_STAGES, 2 * max(1, top_k)))
 
 
-def streaming_split(plan: ResourcePlan, top_k: int) -> tuple[int, int]:
+def streaming_split(plan: ResourcePlan, top_k: int, wanted: int | None = None) -> tuple[int, int]:
     """(cache slots per layer, staging buffers) when prefetching, inside the RAM ``plan`` gave the cache.
 
     The buffers come first out of what rounding the cache down to whole slots per layer left over: up to
     ``staging_stages(top_k)`` of them, and at least ``MIN_STAGES``. Only when the leftover holds fewer than that
     does the cache give up a slot per layer, which frees a buffer per MoE layer. The plan's last slot per layer always
-    stays; the ``MIN_STAGES`` buffers then come on top of it, as the plan's reserve allows for."""
-    wanted = staging_stages(top_k)
+    stays; the ``MIN_STAGES`` buffers then come on top of it, as the plan's reserve allows for. ``wanted`` replaces
+    ``staging_stages(top_k)`` (coli tune's choice)."""
+    wanted = wanted or staging_stages(top_k)
     buffer = plan.expert_bytes + STAGING_SLACK_BYTES
     spare = plan.ram_bytes - (plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.reserve_bytes
                               + plan.cache_bytes)

@@ -62,8 +62,10 @@ def _rate(value: Any) -> str:
 
 
 def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> str:
-    """One line: prefill and decode speed, expert hit rate, bytes read from disk, engine RSS."""
+    """One line: prefill and decode speed, expert hit rate, bytes read from disk, engine RSS, and decode speed as a
+    share of the disk bound when ``stats`` carries it (colibri/disk_bound.py)."""
     from .console import human_bytes
+    from .disk_bound import share_text
 
     prefilled = stats.get("prefilled_tokens", stats.get("prompt_tokens", 0))
     reused = (accept or {}).get("reused_tokens", max(0, stats.get("prompt_tokens", 0) - prefilled))
@@ -76,6 +78,9 @@ def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> s
         parts.append(f"read {human_bytes(stats['bytes_read'])}")
     if "rss_bytes" in stats:
         parts.append(f"RSS {human_bytes(stats['rss_bytes'])}")
+    share = share_text(stats)
+    if share:
+        parts.append(share)
     parts.extend(streaming_parts(stats))
     if stats.get("reason") == "cancelled":
         parts.append("cancelled")

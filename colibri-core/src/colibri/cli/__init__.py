@@ -24,5 +24,6 @@ from . import models  # noqa: F401  (coli pull, list, rm)
 from . import daemon  # noqa: F401  (coli start, status, logs, stop)
 from . import bench  # noqa: F401  (coli bench quality)
 from . import kv  # noqa: F401  (coli kv list, clear)
+from . import tune  # noqa: F401  (coli tune)
 
 __all__ = ["app", "main"]

@@ -15,8 +15,8 @@ from ..server.config import API_KEY_ENV
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption, PrefetchOption,
-                      PreloadOption, kv_options, streaming_options)
+                      IoOption, IoThreadsOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption, PinOption,
+                      PrefetchOption, PreloadOption, TuneProfileOption, kv_options, streaming_options, tune_profile)
 
 DEFAULT_MAX_TOKENS = 1024
 COMMANDS = "/reset (new conversation), /stats (token reuse and speed), /help, /exit"
@@ -110,7 +110,9 @@ def chat_command(
     ram: Optional[float] = typer.Option(None, "--ram", metavar="GB", help="RAM budget in GiB."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
     prefetch: Optional[bool] = PrefetchOption,
-    lookahead: bool = LookaheadOption,
+    lookahead: Optional[bool] = LookaheadOption,
+    io_threads: Optional[int] = IoThreadsOption,
+    use_tune_profile: bool = TuneProfileOption,
     preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
@@ -132,6 +134,7 @@ def chat_command(
     from ..cachedir import cache_root
     from ..chat_input import LineSource
     from ..chat_session import ChatSession
+    from ..disk_bound import disk_bound_for
     from .. import hooks
     from ..prompt import choose_sampling, thinking_kwargs
 
@@ -170,7 +173,8 @@ def chat_command(
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
-                                                      preload))
+                                                      preload),
+                          tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
     kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)
     store = launch.kv_store_for(spec, kv_opts)
     transcript = store.directory / TRANSCRIPT
@@ -184,8 +188,14 @@ def chat_command(
             resume_session(session, transcript, interactive)
         if interactive:
             sys.stderr.write(f"{resolved.path.name} ({resolved.family}) ready. {HELP_TEXT}\n")
-        converse(session, source, interactive, engine.stats, lambda _exc: not engine.alive,
-                 lambda text: session.turn(text, _write))
+        disk = disk_bound_for(spec)
+
+        def local_turn(text: str):
+            reply = session.turn(text, _write)
+            reply.stats.update(disk.share(reply.stats))   # the stats line's share of the disk bound
+            return reply
+
+        converse(session, source, interactive, engine.stats, lambda _exc: not engine.alive, local_turn)
 
 
 TRANSCRIPT = "chat.json"    # the model's last `coli chat` conversation, in its kv directory

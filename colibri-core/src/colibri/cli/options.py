@@ -23,10 +23,27 @@ PrefetchOption = typer.Option(
          "(default: on when the expert cache cannot hold every expert).",
 )
 LookaheadOption = typer.Option(
-    False, "--lookahead/--no-lookahead",
+    None, "--lookahead/--no-lookahead",
     help="With --prefetch, also read the next layer's experts ahead, as predicted by its router on this layer's "
-         "input (default: off: a wrong guess costs a whole read on a disk that is usually the bottleneck).",
+         "input (default: what coli tune measured for this disk; off without a profile: a wrong guess costs a "
+         "whole read on a disk that is usually the bottleneck).",
 )
+IoThreadsOption = typer.Option(
+    None, "--io-threads", min=1, max=8,
+    help="Expert reads in flight (default: what coli tune measured for this disk, else 2).",
+)
+TuneProfileOption = typer.Option(
+    True, "--tune-profile/--no-tune-profile",
+    help="Use the coli tune profile of the model's disk (I/O threads, staging buffers, prefill chunk, lookahead, "
+         "the disk bound); --no-tune-profile ignores it.",
+)
+
+
+def tune_profile(use: bool, model_dir):
+    """The coli tune profile of ``model_dir``'s filesystem, or None (``--no-tune-profile``, or none saved)."""
+    from ..tune import load_profile
+
+    return load_profile(model_dir) if use else None
 PreloadOption = typer.Option(
     None, "--preload/--no-preload",
     help="Read every expert at start when the cache holds them all, so the first requests run from RAM "
@@ -52,7 +69,7 @@ ExpertsTopPOption = typer.Option(
 )
 
 
-def streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead=False, preload=None):
+def streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead=None, preload=None):
     """The Streaming record of the shared flags above."""
     from ..launch import Streaming
 

@@ -13,9 +13,9 @@ from ..errors import UsageError
 from ..model import resolve_model
 from ._app import app
 from .options import (FamilyOption, JsonOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      ExpertWorkersOption, IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption,
-                      PartitionOption, PinOption, PrefetchOption, PreloadOption, RayAddressOption, kv_options,
-                      streaming_options)
+                      ExpertWorkersOption, IoOption, IoThreadsOption, KvBudgetOption, KvDirOption, KvOption,
+                      LookaheadOption, PartitionOption, PinOption, PrefetchOption, PreloadOption, RayAddressOption,
+                      TuneProfileOption, kv_options, streaming_options, tune_profile)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -98,7 +98,9 @@ def run_command(
                                         help="RAM budget in GiB (default: what the machine has available)."),
     cap: Optional[int] = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (default: from --ram)."),
     prefetch: Optional[bool] = PrefetchOption,
-    lookahead: bool = LookaheadOption,
+    lookahead: Optional[bool] = LookaheadOption,
+    io_threads: Optional[int] = IoThreadsOption,
+    use_tune_profile: bool = TuneProfileOption,
     preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
@@ -132,6 +134,7 @@ def run_command(
     from ..prompt import build_prompt, choose_sampling, clamp_max_tokens, thinking_kwargs
     from ..reasoning_view import ReasoningView
     from ..constraints import schema_file_grammar
+    from ..disk_bound import disk_bound_for
     from ..streaming import stats_line
 
     from ..records import TEXT_GENERATION
@@ -158,7 +161,8 @@ def run_command(
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
     spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
-                                                      preload))
+                                                      preload),
+                          tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
     asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx, launch.max_ctx(spec.facts))
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context
@@ -178,6 +182,7 @@ def run_command(
             expert_cluster.stop()
     if not as_json:
         view.finish()
+    reply.stats.update(disk_bound_for(spec).share(reply.stats))
     stats = {k: v for k, v in reply.stats.items() if k not in ("ev", "id")}
     if as_json:
         emit_json({"model": str(resolved.path), "family": resolved.family, "mode": built.mode,

@@ -31,9 +31,9 @@ from ..server.config import (
 )
 from ._app import app
 from .options import (FamilyOption, ModelOption, ExpertsKOption, ExpertsTopPOption,
-                      ExpertWorkersOption, IoOption, KvBudgetOption, KvDirOption, KvOption, LookaheadOption,
-                      PartitionOption, PinOption, PrefetchOption, PreloadOption, kv_options,
-                      streaming_options)
+                      ExpertWorkersOption, IoOption, IoThreadsOption, KvBudgetOption, KvDirOption, KvOption,
+                      LookaheadOption, PartitionOption, PinOption, PrefetchOption, PreloadOption, TuneProfileOption,
+                      kv_options, streaming_options, tune_profile)
 
 _SIZE_SUFFIXES = {"": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
                   "g": 1024 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3}
@@ -124,7 +124,9 @@ def serve_command(
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
                                       "default: from the RAM plan)."),
     prefetch: Optional[bool] = PrefetchOption,
-    lookahead: bool = LookaheadOption,
+    lookahead: Optional[bool] = LookaheadOption,
+    io_threads: Optional[int] = IoThreadsOption,
+    use_tune_profile: bool = TuneProfileOption,
     preload: Optional[bool] = PreloadOption,
     pin: Optional[bool] = PinOption,
     io: str = IoOption,
@@ -153,8 +155,8 @@ def serve_command(
                                                    help="Open connections from one client address."),
     log_level: str = typer.Option("info", "--log-level", help="Server log level: debug, info, warning, error."),
     disk_bw: float | None = typer.Option(None, "--disk-bw", metavar="GB/s", help="The model disk's read "
-                                         "bandwidth for the dashboard's disk bound (default: what coli plan "
-                                         "--measure-disk or coli setup measured on that disk)."),
+                                         "bandwidth for the disk bound (default: the coli tune profile's, else "
+                                         "what coli plan --measure-disk measured on that disk)."),
     replicas: int | None = typer.Option(None, "--replicas", help="Run N engine replicas as Ray actors across the "
                                         "cluster's nodes behind this one endpoint, --kv-slots each (needs "
                                         "colibri-core[cluster]; docs/cluster.md). coli cluster serve: one per node."),
@@ -178,7 +180,7 @@ def serve_command(
     from ..server import ServerConfig, create_app
     from ..server.codec import TokenizerCodec
     from ..server.connections import uvicorn_server
-    from .inspect import disk_bandwidth
+    from ..disk_bound import disk_bound_for
 
     check_bind(host, api_key)
     if not 1 <= port <= 65535:
@@ -228,13 +230,12 @@ def serve_command(
     if not codec.renders_chat:
         print_warning(NO_TEMPLATE_NOTICE)
     spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
-                   streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
+                   streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload),
+                   tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
     from ..cluster.experts import with_expert_workers
 
     spec, expert_cluster = with_expert_workers(spec, expert_workers, partition, address)
-    bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
-    if not bandwidth:
-        bandwidth_source = "unknown: pass --disk-bw GB/s, or measure it once with coli plan --measure-disk"
+    disk = disk_bound_for(spec, disk_bw)   # the dashboard's, /metrics' and every done event's disk bound
     engine_factory, replica_count = (lambda: start(spec, kv=kv_opts)), 0
     if on_cluster:
         engine_factory, replica_count = _replica_factory(spec, replicas, address, tuple(replica_resource or ()))
@@ -248,8 +249,8 @@ def serve_command(
                           created=int(time.time()), lossy=spec.streaming.lossy_label(), host=host,
                           allowed_hosts=tuple(allowed_host or ()), header_timeout=header_timeout,
                           body_timeout=body_timeout, max_connections=max_connections or 0,
-                          max_connections_per_client=max_connections_per_client, disk_bandwidth=bandwidth,
-                          disk_bandwidth_source=bandwidth_source,
+                          max_connections_per_client=max_connections_per_client, disk_bandwidth=disk.bandwidth,
+                          disk_bandwidth_source=disk.source,
                           routed_bytes_per_token=spec.plan.routed_bytes_per_token)
 
     def on_fatal(detail: str) -> None:

@@ -858,6 +858,8 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &E->stream.moe_union, err);
         else if (!strcmp(a, "--repin-every")) rc = parse_int_arg(a, v, 1, 1 << 30, &E->stream.repin_every, err);
         else if (!strcmp(a, "--io-stages")) rc = parse_int_arg(a, v, 2, 64, &E->stream.io_stages, err);
+        else if (!strcmp(a, "--io-threads")) rc = parse_int_arg(a, v, 1, CB_IO_THREADS_MAX,
+                                                                  &E->stream.io_threads, err);
         else if (!strcmp(a, "--experts-k")) rc = parse_int_arg(a, v, 1, 1 << 16, &E->stream.experts_k, err);
         else if (!strcmp(a, "--expert-timeout-ms")) rc = parse_int_arg(a, v, 10, 600000, &E->expert_timeout_ms, err);
         else if (!strcmp(a, "--expert-wait-s")) rc = parse_int_arg(a, v, 0, 86400, &E->expert_wait_s, err);
@@ -886,9 +888,9 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
             if (cb_hp_add(hp, v, err, ERRLEN)) return -1;
         } else {
             snprintf(err, ERRLEN, "unknown argument %s (--model, --ctx, --slots, --cap, --threads, --set, --prefetch, "
-                                  "--pin, --lookahead, --preload, --io, --io-stages, --moe-union, --repin-every, "
-                                  "--hotset, --experts-k, --experts-top-p, --expert-map, --expert-timeout-ms, "
-                                  "--expert-wait-s)", a);
+                                  "--pin, --lookahead, --preload, --io, --io-stages, --io-threads, --moe-union, "
+                                  "--repin-every, --hotset, --experts-k, --experts-top-p, --expert-map, "
+                                  "--expert-timeout-ms, --expert-wait-s)", a);
             return -1;
         }
         if (rc) return -1;

@@ -39,8 +39,8 @@ typedef struct {
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    pthread_t thread[CBX_IO_THREADS];
-    int started, quit, n;
+    pthread_t thread[CBX_IO_THREADS_MAX];
+    int started, quit, n, n_threads;
     stage_t st[MAX_STAGES];
     uint64_t seq;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
@@ -140,7 +140,8 @@ static int stage(cb_expert_layer *L, int e, int urgent) {
         pool.n = pool_size();
         pool.quit = 0;
         int ok = 1;
-        for (int i = 0; i < CBX_IO_THREADS && ok; i++) ok = pthread_create(&pool.thread[i], NULL, io_main, NULL) == 0;
+        pool.n_threads = cbx_io_threads();
+        for (int i = 0; i < pool.n_threads && ok; i++) ok = pthread_create(&pool.thread[i], NULL, io_main, NULL) == 0;
         if (!ok) {
             /* Cannot happen short of resource exhaustion; reads then stay synchronous. */
             pool.quit = 1;
@@ -189,7 +190,7 @@ void cb_experts_io_shutdown(void) {
     pthread_cond_broadcast(&pool.work);
     pthread_mutex_unlock(&pool.mu);
     if (started)
-        for (int i = 0; i < CBX_IO_THREADS; i++) pthread_join(pool.thread[i], NULL);
+        for (int i = 0; i < pool.n_threads; i++) pthread_join(pool.thread[i], NULL);
     pthread_mutex_lock(&pool.mu);
     for (int i = 0; i < MAX_STAGES; i++) {
         free(pool.st[i].buf);

@@ -63,9 +63,9 @@ int cb_experts_preload(uint64_t *bytes, char *err, size_t errlen) {
         job.layers[job.n_layers++] = L;
         job.total += L->n_experts;
     }
-    pthread_t th[CBX_IO_THREADS];
-    int started = 0;
-    for (int i = 0; i < CBX_IO_THREADS; i++) started += pthread_create(&th[started], NULL, preload_main, &job) == 0;
+    pthread_t th[CBX_IO_THREADS_MAX];
+    int started = 0, want = cbx_io_threads();
+    for (int i = 0; i < want; i++) started += pthread_create(&th[started], NULL, preload_main, &job) == 0;
     if (!started) preload_main(&job);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     /* On a failed read the store stays empty (the buffers are kept and reused by the lazy path). */

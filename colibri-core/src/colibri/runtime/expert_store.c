@@ -18,6 +18,10 @@ cb_profile cb_prof;
 cb_stream_opts cb_stream_defaults(void) { return (cb_stream_opts){.moe_union = 1, .repin_every = 8}; }
 void cb_experts_configure(const cb_stream_opts *o) { opts = *o; }
 const cb_stream_opts *cb_experts_options(void) { return &opts; }
+int cbx_io_threads(void) {
+    int n = opts.io_threads > 0 ? opts.io_threads : CBX_IO_THREADS;
+    return n < CBX_IO_THREADS_MAX ? n : CBX_IO_THREADS_MAX;
+}
 
 double cb_now_s(void) {
     struct timespec ts;

@@ -79,6 +79,7 @@ typedef struct {
  * them in with cb_experts_configure before the family loads; blocks and the store read them back through
  * cb_experts_options. Nothing parses arguments into this module. */
 enum { CB_IO_AUTO = 0, CB_IO_DIRECT = 1, CB_IO_BUFFERED = 2 };
+#define CB_IO_THREADS_MAX 8    /* --io-threads upper bound: the queue depths coli tune measures */
 typedef struct {
     int prefetch;              /* I/O pool: a block's misses load while its resident experts compute */
     int lookahead;             /* with prefetch: also read the next layer's predicted experts ahead */
@@ -89,6 +90,7 @@ typedef struct {
     float experts_top_p;       /* lossy: keep the fewest experts whose routing weight reaches this share (0 = off) */
     int repin_every;           /* tokens between hot-set re-pins */
     int io_stages;             /* staging buffers of the I/O pool (0 = 2 x top_k, at least 4) */
+    int io_threads;            /* reader threads of the I/O pool and the preload (0 = CBX_IO_THREADS) */
     int preload;               /* read every expert of a cache that holds them all at load (cb_experts_preload) */
     const char *hotset_path;   /* sidecar file; NULL = <model dir>/.colibri-hotset */
 } cb_stream_opts;

@@ -12,7 +12,9 @@
 #include "experts.h"
 
 #define CBX_DIO_ALIGN 4096
-#define CBX_IO_THREADS 2       /* two reads in flight keep a virtio/NVMe queue busy; more only add contention */
+#define CBX_IO_THREADS 2       /* default: two reads in flight keep a virtio/NVMe queue busy (coli tune measures) */
+#define CBX_IO_THREADS_MAX CB_IO_THREADS_MAX
+int cbx_io_threads(void);   /* the pool's and the preload's reader threads (--io-threads, else the default) */
 
 /* ---- expert_store.c ---- */
 extern size_t cbx_buf_bytes;   /* the largest expert of any layer + alignment slack, a multiple of CBX_DIO_ALIGN */

@@ -200,6 +200,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], EngineLike] | 
             "slots_total": ("KV slots (--kv-slots)", config.kv_slots),
             "engine_up": ("1 when the engine is loaded and serving", 1 if host.ready else 0),
             "engine_restarts": ("times the engine was restarted after dying", host.restarts),
+            "decode_disk_bound_share": ("decode speed of the latest sequence as a share of the disk bound at its "
+                                        "hit rate (NaN: bound unknown, run coli tune)", profile.latest_share()),
         }
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
 

@@ -367,6 +367,7 @@ class GenerationRun:
                                                                        self.s.codec)
                     continue
                 elif event.get("ev") == "done":
+                    event.update(self.s.profile.disk.share(event))   # the done event reports the disk-bound share
                     loop.call_soon_threadsafe(self.s.metrics.engine_done, event)
                     loop.call_soon_threadsafe(self.s.profile.record, event, self.route, lease.slot, self.spec.user)
                 loop.call_soon_threadsafe(put, ("event", event))

@@ -6,8 +6,9 @@ that is at most :data:`STATS_MAX_AGE_S` old instead of queueing a round trip eac
 
 ``/profile`` keeps the ``done`` event of each of the last :data:`PROFILE_KEEP` sequences, with the disk bound of
 its decode phase: bandwidth / ((1 - decode hit rate) x routed bytes per token), the formula docs/benchmarks.md
-uses. The bandwidth is ``coli serve --disk-bw``, else what ``coli plan --measure-disk`` or ``coli setup`` measured
-earlier on the disk holding the model; without either the bound is unknown (``null``), never guessed.
+uses (colibri/disk_bound.py). The bandwidth is ``coli serve --disk-bw``, else the ``coli tune`` profile's, else what
+``coli plan --measure-disk`` measured earlier on the disk holding the model; without any the bound is unknown
+(``null``), never guessed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import asyncio
 import collections
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from ..disk_bound import DiskBound
 from ..errors import EngineError
 from .engine_host import EngineHost
 from .errors import APIError
@@ -30,25 +31,6 @@ PHASES = ("io_wait_s", "expert_s", "attention_s", "other_s")
 TOTALS = ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read", "expert_reads", "prefilled_tokens",
           "generated_tokens", "rss_bytes", "pin", "prefetch", "io", "lossy")
 PER_LAYER = ("hits", "misses", "bytes_read", "reads", "experts", "cache_slots", "uses", "resident")
-
-
-@dataclass(frozen=True)
-class DiskBound:
-    """What the disk allows: its read bandwidth (bytes/s, 0 = unknown), where that figure came from, and the bytes
-    of routed experts one token reads when every one misses (the plan's)."""
-
-    bandwidth: float = 0.0
-    source: str = "unknown"
-    routed_bytes_per_token: int = 0
-
-    def tokens_per_s(self, hit_rate: float) -> float | None:
-        miss_bytes = (1.0 - hit_rate) * self.routed_bytes_per_token
-        return self.bandwidth / miss_bytes if self.bandwidth > 0 and miss_bytes > 0 else None
-
-    def as_json(self) -> dict[str, Any]:
-        return {"bandwidth_bytes_per_s": self.bandwidth or None, "source": self.source,
-                "routed_bytes_per_token": self.routed_bytes_per_token,
-                "cold_tokens_per_s": self.tokens_per_s(0.0)}
 
 
 def _number(event: dict[str, Any], name: str) -> float:
@@ -76,7 +58,7 @@ class Profile:
         its turns by it)."""
         decode: dict[str, Any] = done["decode"] if isinstance(done.get("decode"), dict) else {}
         decode_hit = _number(decode, "hit_rate") if decode else _number(done, "hit_rate")
-        bound = self.disk.tokens_per_s(decode_hit)
+        share = self.disk.share(done)
         decode_tps = _number(done, "decode_tps")
         prompt = int(_number(done, "prompt_tokens"))
         prefilled = int(_number(done, "prefilled_tokens"))
@@ -92,9 +74,14 @@ class Profile:
                 "rss_bytes": int(_number(done, "rss_bytes")),
                 "decode": {"hit_rate": decode_hit, "bytes_read": int(_number(decode, "bytes_read")),
                            "io_wait_share": io_wait_share(decode) if decode else None},
-                "disk_bound_tps": bound,
-                "share_of_disk_bound": decode_tps / bound if bound and decode_tps > 0 else None,
+                "disk_bound_tps": share["disk_bound_tps"], "share_of_disk_bound": share["share_of_disk_bound"],
             })
+
+    def latest_share(self) -> float:
+        """The latest sequence's decode speed as a share of the disk bound; NaN when unknown or none ran."""
+        last = self.last(1)
+        share = last[0]["share_of_disk_bound"] if last else None
+        return float(share) if share is not None else float("nan")
 
     def last(self, n: int) -> list[dict[str, Any]]:
         with self._lock:
