@@ -116,7 +116,8 @@ def chat_command(
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default 4096, or down to "
+                                      "1024 when KV would take the expert cache's RAM; a warning says so)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
                                          "that has the switch (Qwen3); default: the template's own."),

@@ -117,7 +117,8 @@ def serve_command(
                                           help="Require this key on every route but /health (Bearer, or "
                                                "x-api-key on /v1/messages)."),
     ctx: int | None = typer.Option(None, "--ctx", help="Context per slot in tokens (prompt + completion); "
-                                      "default: the family's default."),
+                                      "default: the family's default, or down to 1024 when KV would take the expert "
+                                      "cache's RAM (a warning says so)."),
     ram: float | None = typer.Option(None, "--ram", help="RAM budget in GiB for the plan (default: what is "
                                         "available)."),
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
