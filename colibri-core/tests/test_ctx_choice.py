@@ -3,23 +3,14 @@ under a tight budget, and the one line that says so (ctx_choice.py)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from colibri import ctx_choice, launch, planner, plugins
-from colibri.cli import app
-from colibri.demo_tokenizer import stdlib_texts, train_bpe
+from colibri import ctx_choice, planner
 from colibri.inventory import load_facts
 from colibri.model import resolve_model
 from colibri.records import PlanRequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from fakefamily import install_engine_wrapper, make_checkpoint, register
 
 
 @pytest.fixture
@@ -99,42 +90,3 @@ def test_run_never_goes_past_the_default_or_the_models_maximum(olmoe_like):
     assert ctx_choice.choose_ctx(4096, plan_at, needed=5000).ctx == 4096
     assert ctx_choice.choose_ctx(2048, plan_at, needed=3000).ctx == 2048
     assert ctx_choice.choose_ctx(4096, plan_at, needed=1).ctx == ctx_choice.CTX_STEP
-
-
-# ---------------------------------------------------------------- through coli run, against the fake engine
-
-@pytest.fixture(scope="module")
-def trained():
-    return train_bpe(stdlib_texts(200_000), 700)
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch, trained):
-    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("FAKE_ENGINE_BIN", str(install_engine_wrapper(tmp_path)))
-    monkeypatch.delenv("FAKE_ENGINE_MODE", raising=False)
-    plugins.reset()
-    register()
-    yield make_checkpoint(tmp_path / "model", trained)
-    plugins.reset()
-
-
-def test_coli_run_without_ctx_fits_a_budget_the_default_context_does_not(fake, monkeypatch):
-    """The fake's default context is 256; at a 32-position step the run's KV is a few rows, so a budget that holds
-    every expert at 32 positions holds none at 256: the run starts, says why, and its tokens stream as usual."""
-    monkeypatch.setattr(ctx_choice, "CTX_STEP", 32)
-    facts = load_facts(resolve_model(str(fake)))
-    at32 = launch.plan_at(facts, 1 << 40, 32, 1, None)
-    ram = at32.dense_bytes + at32.kv_bytes + at32.state_bytes + at32.reserve_bytes + 4 * at32.expert_bytes + 100
-    assert launch.plan_at(facts, ram, 256, 1, None).cache_slots_per_layer == 0     # the default context: no room
-    args = ["run", "hello", "--model", str(fake), "--raw", "--json", "--max-tokens", "12", "--temp", "0",
-            "--ram", repr(ram / launch.GIB)]
-    res = CliRunner().invoke(app, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    data = json.loads(res.stdout)
-    assert data["ctx"] == 32 and data["cap"] == 4 and len(data["generated_ids"]) == 12
-    assert "warning: ctx 256 -> 32 to keep 4 expert slots per layer (0 at ctx 256)" in res.stderr
-    assert "pass --ctx to choose" in res.stderr
-    explicit = CliRunner().invoke(app, [*args, "--ctx", "256"], catch_exceptions=False)
-    assert explicit.exit_code == 1 and "does not fit" in explicit.output    # an explicit --ctx is obeyed
