@@ -227,12 +227,13 @@ def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None)
 
 def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | None = None, slots: int = 1,
             cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None,
-            streaming: Streaming | None = None, needed: int | None = None) -> LaunchSpec:
+            streaming: Streaming | None = None, needed: int | None = None, trade_ctx: bool = False) -> LaunchSpec:
     """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv.
 
-    Without ``ctx`` the context is chosen (ctx_choice.py): ``needed`` (a single run's prompt + generation budget)
-    sizes it, else chat/serve trade the default context for expert slots under a tight budget; either change that
-    buys slots is printed as one warning line."""
+    Without ``ctx`` the context may be chosen (ctx_choice.py): ``needed`` (a single run's prompt + generation
+    budget) sizes it, or ``trade_ctx`` (chat, serve: a conversation of unknown length) lets the default context shrink
+    for expert slots under a tight budget; either change that buys slots is printed as one warning line. Neither
+    given: the default context, as before (decide, quality and tests that need a known context)."""
     facts = facts or load_facts(model)
     # The engine is never started on a checkpoint whose tensors contradict the family's layout (what
     # doctor --deep and convert refuse too): it would read past its arrays or compute with the wrong shapes.
@@ -243,7 +244,7 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     check_container(facts)
     check_cap_and_threads(facts, cap, threads)
     ram = ram_bytes(ram_gib)
-    if chosen:
+    if chosen and (needed is not None or trade_ctx):
         choice = choose_ctx(ctx, lambda c: plan_at(facts, ram, c, slots, cap), needed, cap_given=bool(cap))
         ctx = choice.ctx
         if choice.notice:

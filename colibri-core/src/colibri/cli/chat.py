@@ -169,7 +169,7 @@ def chat_command(
     tok = hooks.load_tokenizer(resolved)
     template_kwargs = thinking_kwargs(tok, think)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
-    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, trade_ctx=True, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
                                                       preload))
     kv_opts = kv_options(kv, kv_dir, kv_disk_budget, default=True)

@@ -220,7 +220,7 @@ def serve_command(
     codec = TokenizerCodec(hooks.load_tokenizer(resolved), model=resolved)
     if not codec.renders_chat:
         print_warning(NO_TEMPLATE_NOTICE)
-    spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
+    spec = prepare(resolved, ram_gib=ram, ctx=ctx, trade_ctx=True, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload))
     bandwidth, bandwidth_source = disk_bandwidth(spec.facts, disk_bw)   # the dashboard's disk bound
     if not bandwidth:
