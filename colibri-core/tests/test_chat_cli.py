@@ -167,3 +167,23 @@ def test_tty_chat_ctrl_c_stops_the_reply_not_the_program(fake, tmp_path):
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def test_chat_without_ctx_trades_context_for_expert_slots_and_says_so(fake, monkeypatch):
+    """The fake's default context is 256; with the floor lowered to 32, a budget that holds every expert at 128
+    positions holds none at 256: chat halves its context once, says so, and the conversation runs."""
+    from colibri import ctx_choice, launch
+    from colibri.inventory import load_facts
+    from colibri.model import resolve_model
+
+    monkeypatch.setattr(ctx_choice, "TRADE_FLOOR", 32)
+    facts = load_facts(resolve_model(str(fake)))
+    at = launch.plan_at(facts, 1 << 40, 128, 1, None)
+    ram = at.dense_bytes + at.kv_bytes + at.state_bytes + at.reserve_bytes + 4 * at.expert_bytes + 100
+    args = ["chat", "--model", str(fake), "--temp", "0", "--max-tokens", "5", "--ram", repr(ram / launch.GIB)]
+    res = CliRunner().invoke(app, args, input="hello\n/stats\n/exit\n", catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert ("warning: ctx 256 -> 128 to keep 4 expert slots per layer (0 at ctx 256) under --ram "
+            in res.stderr)
+    assert "a conversation's length is not known up front; pass --ctx to choose" in res.stderr
+    assert "last turn:" in res.stdout

@@ -200,3 +200,18 @@ def test_plan_default_ctx_without_limits_or_max_context(olmoe_family, family_cla
     result, data = plan_json("--model", str(tiny_olmoe.path), "--ram", "1", "--disk-bw", "1")
     assert result.exit_code == 0, result.output
     assert data["ctx"] == 4096 and data["kv_slots"] == 1
+
+
+def test_plan_says_what_chat_and_serve_would_trade_under_a_tight_budget(facts, tiny_olmoe):
+    at = planner.plan(facts.model, PlanRequest(0, 4096), facts.geometry, facts.layout, facts.tensors)
+    ram = at.dense_bytes + at.kv_bytes + at.reserve_bytes + 4 * at.expert_bytes * at.moe_layers
+    result, data = plan_json("--model", str(tiny_olmoe.path), "--ram", repr(ram / 1024 ** 3), "--disk-bw", "1")
+    assert result.exit_code == 0, result.output
+    assert data["ctx"] == 4096 and data["cache_slots_per_layer"] == 4        # the plan asked for stays as it was
+    note = [n for n in data["notes"] if n.startswith("coli chat/serve without --ctx: ctx 4096 -> ")]
+    assert len(note) == 1 and "expert slots per layer (4 at ctx 4096)" in note[0]
+    assert note[0].endswith("pass --ctx to choose (coli run sizes it from its prompt + --max-tokens)")
+    chosen = planner.plan(facts.model, PlanRequest(ram, 2048), facts.geometry, facts.layout, facts.tensors)
+    assert "ctx 4096 -> 2048" in note[0] and f"keep {chosen.cache_slots_per_layer} expert" in note[0]
+    _, asked = plan_json("--model", str(tiny_olmoe.path), "--ram", repr(ram / 1024 ** 3), "--ctx", "4096")
+    assert not [n for n in asked["notes"] if "without --ctx" in n]          # an explicit --ctx: nothing to say

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from colibri import plugins
+from colibri import ctx_choice, launch, plugins
 from colibri.cli import app
 from colibri.demo_tokenizer import stdlib_texts, train_bpe
+from colibri.inventory import load_facts
+from colibri.model import resolve_model
 from colibri.tokenizer import load_tokenizer_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
@@ -195,3 +197,23 @@ def test_ctrl_c_stops_generation_prints_stats_and_exits_130(fake, tmp_path):
     assert "cancelled" in line
     generated = int(__import__("re").search(r"decode (\d+) tok", line).group(1))
     assert 0 < generated < 200
+
+
+def test_coli_run_without_ctx_fits_a_budget_the_default_context_does_not(fake, monkeypatch):
+    """The fake's default context is 256; at a 32-position step the run's KV is a few rows, so a budget that holds
+    every expert at 32 positions holds none at 256: the run starts, says why, and its tokens stream as usual."""
+    monkeypatch.setattr(ctx_choice, "CTX_STEP", 32)
+    facts = load_facts(resolve_model(str(fake)))
+    at32 = launch.plan_at(facts, 1 << 40, 32, 1, None)
+    ram = at32.dense_bytes + at32.kv_bytes + at32.state_bytes + at32.reserve_bytes + 4 * at32.expert_bytes + 100
+    assert launch.plan_at(facts, ram, 256, 1, None).cache_slots_per_layer == 0     # the default context: no room
+    args = ["run", "hello", "--model", fake, "--raw", "--json", "--max-tokens", 12, "--temp", 0,
+            "--ram", repr(ram / launch.GIB)]
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["ctx"] == 32 and data["cap"] == 4 and len(data["generated_ids"]) == 12
+    assert "warning: ctx 256 -> 32 to keep 4 expert slots per layer (0 at ctx 256)" in res.stderr
+    assert "pass --ctx to choose" in res.stderr
+    explicit = invoke(*args, "--ctx", 256)
+    assert explicit.exit_code == 1 and "does not fit" in explicit.output    # an explicit --ctx is obeyed

@@ -15,6 +15,7 @@ from .engine import DEFAULT_READY_TIMEOUT, Engine
 from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, load_facts
 from .kv_store import DEFAULT_BUDGET_BYTES as DEFAULT_KV_BUDGET
+from .ctx_choice import choose_ctx
 from .planner import streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 from .validation import require_sound_tensors
@@ -205,9 +206,15 @@ def default_ctx(facts: ModelFacts) -> int:
     return DEFAULT_CTX if bound is None else min(DEFAULT_CTX, bound)
 
 
-def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
+def plan_at(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
+    """The plan the ``plan_resources`` hook makes, fitting or not."""
     request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0))
-    plan = hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
+    return hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
+
+
+def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
+    """The plan, or :class:`InsufficientMemoryError` with the numbers when it does not fit."""
+    plan = plan_at(facts, ram, ctx, slots, cap)
     if not plan.fits:
         from .console import human_bytes
 
@@ -222,20 +229,34 @@ def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None)
 
 def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | None = None, slots: int = 1,
             cap: int | None = None, threads: int | None = None, facts: ModelFacts | None = None,
-            streaming: Streaming | None = None, tune: Any = None, io_threads: int | None = None) -> LaunchSpec:
+            streaming: Streaming | None = None, tune: Any = None, io_threads: int | None = None,
+            needed: int | None = None, trade_ctx: bool = False) -> LaunchSpec:
     """Check the flags against the family's limits, plan RAM, find (or build) the engine, assemble its argv.
 
     ``tune`` (a :class:`colibri.tune.TuneProfile`) sets what the flags leave open: I/O threads, staging buffers,
-    the streaming prefill chunk and lookahead; ``io_threads`` and ``streaming.lookahead`` given explicitly win."""
+    the streaming prefill chunk and lookahead; ``io_threads`` and ``streaming.lookahead`` given explicitly win.
+    Without ``ctx`` the context may be chosen (ctx_choice.py): ``needed`` (a single run's prompt + generation
+    budget) sizes it, or ``trade_ctx`` (chat, serve: a conversation of unknown length) lets the default context shrink
+    for expert slots under a tight budget; either change that buys slots is printed as one warning line. Neither
+    given: the default context, as before (decide, quality and tests that need a known context)."""
     facts = facts or load_facts(model)
     # The engine is never started on a checkpoint whose tensors contradict the family's layout (what
     # doctor --deep and convert refuse too): it would read past its arrays or compute with the wrong shapes.
     require_sound_tensors(model, facts.geometry, facts.layout, facts.tensors)
+    chosen = ctx is None
     ctx = default_ctx(facts) if ctx is None else int(ctx)
     check_limits(model, facts.limits, ctx, slots, facts.geometry.max_context)
     check_container(facts)
     check_cap_and_threads(facts, cap, threads)
-    plan = plan_for(facts, ram_bytes(ram_gib), ctx, slots, cap)
+    ram = ram_bytes(ram_gib)
+    if chosen and (needed is not None or trade_ctx):
+        choice = choose_ctx(ctx, lambda c: plan_at(facts, ram, c, slots, cap), needed, cap_given=bool(cap))
+        ctx = choice.ctx
+        if choice.notice:
+            from .console import print_warning
+
+            print_warning(choice.notice)
+    plan = plan_for(facts, ram, ctx, slots, cap)
     binary = builder.engine_for_model(model)
     if binary is None:
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")

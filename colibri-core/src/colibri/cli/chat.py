@@ -118,7 +118,8 @@ def chat_command(
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default 4096, or down to "
+                                      "1024 when KV would take the expert cache's RAM; a warning says so)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Pass enable_thinking to a chat template "
                                          "that has the switch (Qwen3); default: the template's own."),
@@ -171,7 +172,7 @@ def chat_command(
     tok = hooks.load_tokenizer(resolved)
     template_kwargs = thinking_kwargs(tok, think)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
-    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, trade_ctx=True, cap=cap, threads=threads,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
                                                       preload),
                           tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)

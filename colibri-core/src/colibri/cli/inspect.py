@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,8 @@ def plan_command(
     facts, projected = planned_facts(model, family, repo, experts, dense)
     request, sources = plan_request(facts, ram, ctx, kv_slots, disk_bw, measure_disk=measure_disk and not repo)
     plan = make_plan(facts, request)
+    if ctx is None and not plan.stages:
+        plan = replace(plan, notes=(*plan.notes, *_chosen_ctx_notes(facts, request)))
     container = None if projected is None else {
         "experts": projected.experts, "dense": projected.dense, "shards": projected.shards,
         "container_bytes": projected.container_bytes, "source_bytes": projected.source_bytes}
@@ -250,6 +252,16 @@ def plan_command(
                            f"(source tensors {human_bytes(container['source_bytes'])}); nothing was converted")
     if not plan.fits:
         raise not_fitting_error(plan)
+
+
+def _chosen_ctx_notes(facts: ModelFacts, request: PlanRequest) -> tuple[str, ...]:
+    """What chat/serve would do with this default context (ctx_choice.py), when they would trade it for slots."""
+    from ..ctx_choice import choose_ctx
+
+    choice = choose_ctx(request.ctx, lambda c: make_plan(facts, replace(request, ctx=c)))
+    if not choice.notice:
+        return ()
+    return (f"coli chat/serve without --ctx: {choice.notice} (coli run sizes it from its prompt + --max-tokens)",)
 
 
 def planned_facts(model: str | None, family: str | None, repo: str | None, experts: str | None,

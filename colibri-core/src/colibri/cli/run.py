@@ -106,7 +106,8 @@ def run_command(
     io: str = IoOption,
     experts_k: Optional[int] = ExpertsKOption,
     experts_top_p: Optional[float] = ExpertsTopPOption,
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default 4096 or the model's)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length in tokens (default: the prompt + "
+                                      "--max-tokens, at most 4096 or the model's maximum)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: all cores)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw", help="Wrap the prompt in the checkpoint's chat "
                                         "template (default when it has one) or send it as plain text."),
@@ -159,11 +160,12 @@ def run_command(
     if built.notice:
         print_warning(built.notice)
     sampling = choose_sampling(resolved.path, temp, top_p, top_k, seed)
-    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads,
+    asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    # without --ctx the KV is sized for this prompt and budget, not the default context (ctx_choice.py)
+    spec = launch.prepare(resolved, ram_gib=ram, ctx=ctx, cap=cap, threads=threads, needed=len(built.ids) + asked,
                           streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead,
                                                       preload),
                           tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
-    asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     budget, clamp_notice = clamp_max_tokens(asked, len(built.ids), spec.ctx, launch.max_ctx(spec.facts))
     if clamp_notice and max_tokens is not None:   # the default quietly fits the context
         print_warning(clamp_notice)

@@ -118,7 +118,8 @@ def serve_command(
                                           help="Require this key on every route but /health (Bearer, or "
                                                "x-api-key on /v1/messages)."),
     ctx: int | None = typer.Option(None, "--ctx", help="Context per slot in tokens (prompt + completion); "
-                                      "default: the family's default."),
+                                      "default: the family's default, or down to 1024 when KV would take the expert "
+                                      "cache's RAM (a warning says so)."),
     ram: float | None = typer.Option(None, "--ram", help="RAM budget in GiB for the plan (default: what is "
                                         "available)."),
     cap: int | None = typer.Option(None, "--cap", help="Expert cache slots per MoE layer (0 = all experts; "
@@ -229,7 +230,7 @@ def serve_command(
     codec = TokenizerCodec(hooks.load_tokenizer(resolved), model=resolved)
     if not codec.renders_chat:
         print_warning(NO_TEMPLATE_NOTICE)
-    spec = prepare(resolved, ram_gib=ram, ctx=ctx, slots=kv_slots, cap=cap, threads=threads,
+    spec = prepare(resolved, ram_gib=ram, ctx=ctx, trade_ctx=True, slots=kv_slots, cap=cap, threads=threads,
                    streaming=streaming_options(prefetch, pin, io, experts_k, experts_top_p, lookahead, preload),
                    tune=tune_profile(use_tune_profile, resolved.path), io_threads=io_threads)
     from ..cluster.experts import with_expert_workers
