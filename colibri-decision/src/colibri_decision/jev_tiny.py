@@ -42,9 +42,11 @@ def build_jev(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float3
     head = {k: overrides.pop(k) for k in ("softcap", "offsets") if k in overrides}
     decision = overrides.pop("decision", {})
     ids = train_tokenizer(out, _style(), VOCAB, 4096)
-    config = JevConfig(text_config={"model_type": "qwen3_5_text", **backbone_fields(**overrides),
+    text = backbone_fields(**overrides)
+    config = JevConfig(text_config={"model_type": "qwen3_5_text", **text,
                                     "pad_token_id": ids["pad"], "eos_token_id": ids["eos"]},
-                       hidden_size=64, num_verbalizers=NUM_VERBALIZERS, softcap=head.get("softcap", 3.0),
+                       hidden_size=text["hidden_size"], num_verbalizers=NUM_VERBALIZERS,
+                       softcap=head.get("softcap", 3.0),
                        offsets=head.get("offsets"))
     torch.manual_seed(seed)
     model = JevForDecision(config)
