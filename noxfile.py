@@ -194,9 +194,11 @@ def bench_image(session: nox.Session) -> None:
 
 @nox.session
 def bench_decide(session: nox.Session) -> None:
-    """System One decisions per second: colibri's Laya engine vs the laya package on a ~300 M-parameter Laya model,
-    alternated, medians of 3 rounds with the load average of each run; writes its section of docs/benchmarks.md
-    (slow; never default). `-- --quick` checks the session end to end on the test-sized model."""
+    """System One decisions per second in one run: colibri vs the laya package on a ~300 M-parameter Laya model and
+    vs transformers' DecisionPipeline on a ~300 M-parameter JevForDecision (qwen3_5_text backbone), the engines
+    alternated, medians of 3 rounds with each run's load average and other processes' CPU share, the largest
+    probability difference (at most 1e-4); writes its section of docs/benchmarks.md (slow; never default).
+    `-- --quick` checks the session end to end on the test-sized models; `-- --scenario transformers` runs one."""
     install_everything(session)
     session.run("python", str(ROOT / "engines" / "bench" / "decide_bench.py"), *session.posargs, env=TEST_ENV)
 

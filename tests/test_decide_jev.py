@@ -100,6 +100,22 @@ def test_systemone_matches_transformers_and_reuses_the_pinned_state(jev_model):
 def test_engine_scores_are_the_soft_capped_head_rows(jev_model):
     """The decide op itself: option ids are head rows, the engine returns their soft-capped scores."""
     _, resolved, tok, _ = jev_model
+    check_head_rows(resolved, tok)
+
+
+def test_a_wider_backbone_gets_a_head_of_its_width(tmp_path_factory):
+    """The builder sizes the head to the backbone (the benchmark's ~300 M JEV widens every field)."""
+    from colibri.testing.tiny import tiny_model
+
+    wide = dict(hidden_size=96, num_attention_heads=2, head_dim=32, linear_key_head_dim=24,
+                linear_value_head_dim=24, intermediate_size=160)
+    path = tiny_model("jev", tmp_path_factory.mktemp("jev-wide"), **wide).path
+    resolved = resolve_model(path)
+    assert hooks.model_geometry(resolved).hidden_size == 96
+    check_head_rows(resolved, hooks.load_tokenizer(resolved))
+
+
+def check_head_rows(resolved, tok) -> None:
     decider = hooks.decider(resolved, tok)
     engine = launch.open_engine(resolved, ctx=CTX, slots=1, cap=0, threads=1)
     try:

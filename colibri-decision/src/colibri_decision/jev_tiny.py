@@ -25,11 +25,12 @@ def _style() -> Any:
 
 
 def backbone_fields(n: int = 4, **overrides: Any) -> dict[str, Any]:
-    """A Qwen3.5 dense text config: 3 Gated DeltaNet layers and 1 gated full-attention layer, a dense MLP."""
-    return dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                linear_num_value_heads=4, intermediate_size=128, layer_types=hybrid_layer_types(n),
-                max_position_embeddings=4096, **overrides)
+    """A Qwen3.5 dense text config: 3 Gated DeltaNet layers and 1 gated full-attention layer, a dense MLP; any
+    field can be overridden (the benchmark's ~300 M model widens them all)."""
+    return dict(dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                     linear_num_key_heads=2, linear_num_value_heads=4, intermediate_size=128,
+                     layer_types=hybrid_layer_types(n), max_position_embeddings=4096), **overrides)
 
 
 def build_jev(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32", **overrides: Any) -> TinyModel:
@@ -42,9 +43,11 @@ def build_jev(out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float3
     head = {k: overrides.pop(k) for k in ("softcap", "offsets") if k in overrides}
     decision = overrides.pop("decision", {})
     ids = train_tokenizer(out, _style(), VOCAB, 4096)
-    config = JevConfig(text_config={"model_type": "qwen3_5_text", **backbone_fields(**overrides),
+    text = backbone_fields(**overrides)
+    config = JevConfig(text_config={"model_type": "qwen3_5_text", **text,
                                     "pad_token_id": ids["pad"], "eos_token_id": ids["eos"]},
-                       hidden_size=64, num_verbalizers=NUM_VERBALIZERS, softcap=head.get("softcap", 3.0),
+                       hidden_size=text["hidden_size"], num_verbalizers=NUM_VERBALIZERS,
+                       softcap=head.get("softcap", 3.0),
                        offsets=head.get("offsets"))
     torch.manual_seed(seed)
     model = JevForDecision(config)
