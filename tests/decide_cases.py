@@ -9,8 +9,8 @@ import httpx
 
 from colibri.decision import check_state, parse_questions
 from colibri.decision.prompts import build_prompts, shared_state_tokens
+from colibri.testing.checks import assert_answers_close as assert_close
 
-TOL = 1e-4
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "ads", "false": None}},
     "tone": {"type": "choice", "instructions": "What is the tone?",
@@ -22,17 +22,6 @@ STATES = {
     "json": {"message": "My card was charged twice, I want a refund.", "channel": "support"},
     "parts": [{"type": "text", "text": "Hello team,"}, {"type": "text", "text": " the build is red again."}],
 }
-
-
-def assert_close(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
-        for key in want:
-            assert_close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, float):
-        assert abs(got - want) <= TOL, f"{where}: {got} vs {want}"
-    else:
-        assert got == want, where
 
 
 def shared_tokens(tok: Any, settings: Any, state: Any, option_ids: Any = None) -> tuple[int, int]:

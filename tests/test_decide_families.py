@@ -27,7 +27,6 @@ from colibri import hooks, launch  # noqa: E402
 from colibri.decision import load_settings  # noqa: E402
 from colibri.server.codec import TokenizerCodec  # noqa: E402
 from colibri.model import resolve_model  # noqa: E402
-from colibri.testing.checks import assert_answers_close as assert_close  # noqa: E402
 from colibri.testing.parity import CACHE_SIZES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "colibri-core" / "tests"))  # core's harnesses
