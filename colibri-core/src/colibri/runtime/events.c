@@ -28,6 +28,7 @@ void cb_emit_fatal(const char *code, const char *message) {
     cb_buf b = {0};
     cb_buf_printf(&b, "{\"ev\":\"fatal\",\"code\":\"%s\",\"message\":", code);
     cb_buf_json_str(&b, message);
+    cb_buf_puts(&b, "}");
     cb_emit_line(&b);
     fprintf(stderr, "fatal: %s\n", message);
     cb_buf_free(&b);
