@@ -261,9 +261,12 @@ def layout(model: ResolvedModel) -> TensorLayout:
             required += [la + t for t in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight",
                                           "in_proj_b.weight", "conv1d.weight", "A_log", "dt_bias", "out_proj.weight")]
         required += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    # the LM's own head (head-beside layout) and multi-token prediction layers are never read
+    # Beside a language model its own head is stored but not a parameter of the decision model (transformers'
+    # JevForDecision has none): a buffer, counted in bytes only. Multi-token prediction layers are never read.
+    saved = (model.config or {}).get("model_type") == MODEL_TYPE   # else a JEV head beside an LM
+    lm_head = () if saved or cfg.get("tie_word_embeddings") else ("lm_head.weight",)
     return TensorLayout(embeddings=(base + "embed_tokens.weight",), lm_head=None, norms=tuple(norms), routers=(),
-                        experts=(), required=tuple(required), skipped_prefixes=("lm_head.", "mtp."))
+                        experts=(), required=tuple(required), skipped_prefixes=("mtp.",), buffers=lm_head)
 
 
 def limits(model: ResolvedModel) -> Limits:
