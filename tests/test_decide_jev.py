@@ -156,14 +156,14 @@ def test_head_files_decide_the_claim(tmp_path_factory, monkeypatch):
         resolve_model(path)
 
 
+# The CLI path is the same for every layout: the head-beside one, whose info has the most to say, stands for all.
+@pytest.mark.parametrize("jev_model", ["beside"], indirect=True)
 def test_coli_decide_and_info(jev_model):
     """``coli decide --json`` gives transformers' answers; ``coli info`` reports the head and the layout."""
     import json
     import subprocess
 
-    layout, resolved, _, _ = jev_model
-    if layout != "beside":
-        pytest.skip("the CLI path is the same for every layout")
+    _, resolved, _, _ = jev_model
     coli = [sys.executable, "-c", "from colibri.cli import main; main()"]
     spam = ["--question", "spam:noul:Is this spam?"]
     reference = transformers.JevForDecision.from_pretrained(resolved.path, dtype=torch.float32).eval()
