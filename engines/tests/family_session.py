@@ -18,12 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from session_env import use_packages
+
 FAMILY, KIND, BINARY = sys.argv[1:4] if len(sys.argv) == 4 else sys.exit(__doc__)
-HERE = Path(__file__).resolve().parent
 PACKAGE = "colibri_" + FAMILY.replace("-", "_")
-for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / f"colibri-{FAMILY}" / "src"):
-    sys.path.insert(0, str(src))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+use_packages(f"colibri-{FAMILY}")
 
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402

@@ -11,16 +11,14 @@ checkpoint is built here with the gliner2 package's classes (colibri_decision.ti
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-decision" / "src"):
-    sys.path.insert(0, str(src))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from session_env import use_packages
+
+use_packages("colibri-decision")
 
 from colibri.model import resolve_model  # noqa: E402
 from colibri.decision import parse_questions  # noqa: E402

@@ -10,15 +10,13 @@ image must be the one the regular build gives (colibri-image's tests check that 
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-image" / "src"):
-    sys.path.insert(0, str(src))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from session_env import use_packages
+
+use_packages("colibri-image")
 
 import numpy as np  # noqa: E402
 

@@ -10,17 +10,15 @@ Used by ``make -C engines test-jev`` and ``sanitize-jev`` (the same under ASan/U
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from session_env import use_packages
+
 BINARY = sys.argv[1] if len(sys.argv) == 2 else sys.exit(__doc__)
-HERE = Path(__file__).resolve().parent
-for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-decision" / "src"):
-    sys.path.insert(0, str(src))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+use_packages("colibri-decision")
 
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402

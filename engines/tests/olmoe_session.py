@@ -16,12 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from session_env import use_packages
+
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-for src in (HERE.parents[1] / "colibri-core" / "src", HERE.parents[1] / "colibri-olmoe" / "src"):
-    sys.path.insert(0, str(src))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+use_packages("colibri-olmoe")
 
 from colibri.model import read_config  # noqa: E402
 from colibri.records import ResolvedModel  # noqa: E402
