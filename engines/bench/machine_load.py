@@ -7,6 +7,7 @@ can be told from a busy machine.
 
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -29,16 +30,55 @@ def process_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+class OwnCpuGroup:
+    """A cgroup v1 ``cpuacct`` group this process moves into, so every process it starts (and those they start,
+    e.g. a Ray cluster's raylets and actors, which are not our children by pid) is counted as ours. Needs root;
+    ``OwnCpuGroup.create()`` returns None without it."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def create(cls) -> OwnCpuGroup | None:
+        path = cls.ROOT / f"colibri-bench-{os.getpid()}"
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            return None
+        group = cls(path)
+        atexit.register(group.close)
+        return group
+
+    def close(self) -> None:
+        """Back to the root group, and the group removed (it stays if a process we started outlived us)."""
+        try:
+            (self.ROOT / "cgroup.procs").write_text(str(os.getpid()))
+            self.path.rmdir()
+        except OSError:
+            pass
+
+    def ticks(self) -> int:
+        """CPU time of the group's processes in clock ticks (cpuacct.usage is in nanoseconds)."""
+        return int((self.path / "cpuacct.usage").read_text()) * os.sysconf("SC_CLK_TCK") // 1_000_000_000
+
+
 class LoadWindow:
     """Measures one run: ``with LoadWindow(engine_pids) as w: ...`` then ``w.load_average`` and ``w.other_cpu_share``
-    (other processes' busy ticks over all the machine's ticks, 0..1; this process and ``own_pids`` are ours)."""
+    (other processes' busy ticks over all the machine's ticks, 0..1; this process and ``own_pids`` are ours, or
+    everything in ``group`` when one is given)."""
 
-    def __init__(self, own_pids: tuple[int, ...] = ()):
+    def __init__(self, own_pids: tuple[int, ...] = (), group: OwnCpuGroup | None = None):
         self.pids = (os.getpid(), *own_pids)
+        self.group = group
         self.load_average = 0.0
         self.other_cpu_share = 0.0
 
     def _ours(self) -> int:
+        if self.group is not None:
+            return self.group.ticks()
         return sum(process_ticks(pid) for pid in self.pids)
 
     def __enter__(self) -> LoadWindow:

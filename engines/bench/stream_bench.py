@@ -356,11 +356,16 @@ class CappedGroup:
             raise RuntimeError("no cgroup v1 memory hierarchy for this process")
         self.path = parent / f"colibri-bench-{os.getpid()}{'-' + name if name else ''}"
         self.path.mkdir(exist_ok=True)
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        # memsw (memory + swap) may never be below the memory limit: lift it first, or raising the limit of a
+        # group made earlier with a smaller one fails with EINVAL.
+        memsw = self.path / "memory.memsw.limit_in_bytes"
         try:
-            (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+            memsw.write_text("-1")
         except OSError:
-            pass
+            memsw = None
+        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        if memsw is not None:
+            memsw.write_text(str(limit))
 
     def wrap(self, argv: list[str]) -> list[str]:
         return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh", *argv]
