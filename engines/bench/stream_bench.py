@@ -370,7 +370,16 @@ class CappedGroup:
     def wrap(self, argv: list[str]) -> list[str]:
         return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh", *argv]
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Remove the group once its processes are gone (a killed engine may take a moment to exit)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                if not (self.path / "cgroup.procs").read_text().strip():
+                    break
+            except OSError:
+                break
+            time.sleep(0.1)
         try:
             self.path.rmdir()
         except OSError:
