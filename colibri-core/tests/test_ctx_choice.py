@@ -14,16 +14,18 @@ from colibri.records import PlanRequest
 
 
 @pytest.fixture
-def olmoe_like(olmoe_family, tiny_olmoe):
+def olmoe_like(olmoe_family, tiny_olmoe, monkeypatch):
     """The tiny OLMoE with a context as heavy against its experts as OLMoE-1B-7B's: 1024 positions cost about 3
-    expert rows (one slot in every MoE layer), 8/9 of it KV and 1/9 prefill scratch (256 and 32 KiB per token)."""
+    expert rows (one slot in every MoE layer) of KV. One-row prefill passes and one head keep the attention scores
+    (rows x heads x 4 B per position) out of the ratio."""
+    monkeypatch.setattr(planner, "PREFILL_ROWS", 1)
+    monkeypatch.setattr(planner, "ENGINE_DEFAULT_ROWS", 1)
     facts = load_facts(resolve_model(tiny_olmoe.path))
     probe = planner.plan(facts.model, PlanRequest(1 << 40, 1), facts.geometry, facts.layout, facts.tensors)
     row = probe.expert_bytes * probe.moe_layers
     per_token = 3 * row // 1024
-    scratch_per_hidden = planner.SCRATCH_ACTIVATIONS * planner.SCRATCH_DTYPE_BYTES
-    hidden = max(1, per_token // 9 // scratch_per_hidden)
-    geometry = replace(facts.geometry, hidden_size=hidden, kv_bytes_per_token=per_token - hidden * scratch_per_hidden)
+    scores_per_token = planner.SCRATCH_DTYPE_BYTES
+    geometry = replace(facts.geometry, num_heads=1, kv_bytes_per_token=per_token - scores_per_token)
     return facts, geometry, row
 
 

@@ -35,7 +35,11 @@ def test_split_of_the_budget(facts):
     dense, per_expert = by_role(facts)
     ctx, slots = 256, 2
     kv = g.kv_bytes_per_token * ctx * slots
-    reserve = planner.SCRATCH_ACTIVATIONS * g.hidden_size * ctx * 4 + g.vocab_size * 4 + planner.FIXED_RESERVE_BYTES
+    # one prefill pass of min(ctx, 128) rows: per row its activations, each routed choice's output, one expert's
+    # gate and up rows and a logits row; the pass's attention scores; the fixed runtime share
+    rows = min(ctx, 128)
+    per_row = (planner.ROW_ACTIVATIONS + g.top_k) * g.hidden_size + 2 * g.expert_intermediate + g.vocab_size
+    reserve = (rows * per_row + rows * g.num_heads * ctx) * 4 + planner.FIXED_RESERVE_BYTES
     fixed = dense + kv + reserve
     row = per_expert * len(g.moe_layers)
     for want in (1, 3, 7):

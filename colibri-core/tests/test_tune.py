@@ -118,10 +118,11 @@ def fake(tmp_path, monkeypatch, trained, config):
     plugins.reset()
 
 
-def partial_ram_gib(model) -> float:
-    """A budget whose cache holds 2 of the fake model's 4 experts a layer."""
+def partial_ram_gib(model, rows: int = 0) -> float:
+    """A budget whose cache holds 2 of the fake model's 4 experts a layer (``rows``: the prefill chunk asked for,
+    which sizes the plan's reserve)."""
     facts = launch.load_facts(model)
-    plan = launch.plan_for(facts, 64 << 30, 128, 1, None)
+    plan = launch.plan_for(facts, 64 << 30, 128, 1, None, rows)
     fixed = plan.dense_bytes + plan.kv_bytes + plan.state_bytes + plan.reserve_bytes
     return (fixed + plan.moe_layers * plan.expert_bytes * 2 + 100) / (1 << 30)
 
@@ -136,6 +137,7 @@ def test_run_takes_the_profile_and_explicit_flags_win(fake):
     untuned = launch.prepare(model, ram_gib=ram, ctx=128, threads=1).argv
     assert flag(untuned, "--io-threads") is None and "--lookahead" not in untuned
     profile = synthetic_profile(fake, io_threads=4, staging_buffers=8, prefill_chunk=64, lookahead=True)
+    ram = partial_ram_gib(model, rows=64)
     tuned = launch.prepare(model, ram_gib=ram, ctx=128, threads=1, tune=profile).argv
     assert flag(tuned, "--io-threads") == "4" and flag(tuned, "--lookahead") == "on"
     assert flag(tuned, "--prefill-chunk") == "64" and flag(untuned, "--prefill-chunk") == "128"

@@ -615,7 +615,7 @@ def main() -> int:
                         # brings the virtual disk's host cache to the state the later runs see, so the first
                         # measured policy does not pay for it alone.
                         log(f"{model.name}/{precision}: a first, unmeasured run (learning the hot set)")
-                        run_colibri(container, int(cap_bytes * 0.9), group, locality, seed=77)
+                        run_colibri(container, cap_bytes, group, locality, seed=77)
                         if model.name == "olmoe-skew":
                             learned = sidecar.read_bytes()
                     # Each engine's warm run follows its own cold one: under the cap, the group's page cache is
@@ -638,7 +638,7 @@ def main() -> int:
                                 sidecar.write_bytes(learned)
                             try:
                                 if engine == "colibri":
-                                    ram = int(cap_bytes * 0.9) if scenario == "capped" else None
+                                    ram = cap_bytes if scenario == "capped" else None
                                     stats = run_colibri(container, ram, group, locality, variant,
                                                         warm_request=scenario == "in_ram" and temp == "warm")
                                 else:
@@ -767,7 +767,8 @@ def write_markdown(results: dict, rows: list[dict]) -> None:
              f"readers, {results.get('disk_bandwidth_4_readers', results['disk_bandwidth']) / 1e9:.2f} GB/s, read "
              f"from `{results.get('disk_measured_on', 'the model')}`'s shards; the virtual disk may be cached by its "
              "host). Capped: a cgroup "
-             "v1 memory limit of 1/3 of the container's size (page cache included); colibri plans for 90% of it. "
+             "v1 memory limit of 1/3 of the container's size (page cache included); colibri plans for all of it "
+             "(its reserve is what the engine measurably allocates beyond tensors, KV and cache). "
              "Cold: page cache dropped before the run; warm: run again (in RAM, after reading the files once and one "
              "unrelated request). Engines alternate inside each scenario.", "",
              "Decode columns are the decode phase alone (the engine's `done.decode`); the disk bound is bandwidth / "

@@ -16,7 +16,7 @@ from .errors import EngineError, InsufficientMemoryError, UsageError
 from .inventory import ModelFacts, load_facts
 from .kv_store import DEFAULT_BUDGET_BYTES as DEFAULT_KV_BUDGET
 from .ctx_choice import choose_ctx
-from .planner import streaming_split
+from .planner import PREFILL_ROWS, streaming_chunk, streaming_split
 from .records import EngineEnv, Limits, PlanRequest, ResolvedModel, ResourcePlan
 from .validation import require_sound_tensors
 
@@ -174,8 +174,7 @@ def check_container(facts: ModelFacts) -> None:
                           "(coli families)")
 
 
-STREAMING_PREFILL_CHUNK = 128           # prompt tokens per pass when experts stream (the engine's default is 32)
-PREFILL_SCORES_BUDGET = 64 << 20        # attention-score scratch the bigger chunk may cost at most
+STREAMING_PREFILL_CHUNK = PREFILL_ROWS  # prompt tokens per pass when experts stream (the engine's default is 32)
 
 
 def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool,
@@ -188,9 +187,7 @@ def prefill_chunk(facts: ModelFacts, ctx: int, partial_cache: bool,
     shrinks for many heads or a long context, never below the default."""
     if not partial_cache:
         return None
-    heads = max(1, facts.geometry.num_heads)
-    fits = PREFILL_SCORES_BUDGET // (heads * max(1, ctx) * 4)
-    chunk = min(wanted, fits)
+    chunk = streaming_chunk(facts.geometry.num_heads, ctx, wanted)
     return chunk if chunk > 32 else None
 
 
@@ -206,15 +203,15 @@ def default_ctx(facts: ModelFacts) -> int:
     return DEFAULT_CTX if bound is None else min(DEFAULT_CTX, bound)
 
 
-def plan_at(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
-    """The plan the ``plan_resources`` hook makes, fitting or not."""
-    request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0))
+def plan_at(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None, rows: int = 0) -> ResourcePlan:
+    """The plan the ``plan_resources`` hook makes, fitting or not (``rows``: the prefill chunk launch may ask for)."""
+    request = PlanRequest(ram_bytes=ram, ctx=ctx, kv_slots=slots, cap=int(cap or 0), prefill_rows=rows)
     return hooks.plan_resources(facts.model, request, facts.geometry, facts.layout, facts.tensors)
 
 
-def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None) -> ResourcePlan:
+def plan_for(facts: ModelFacts, ram: int, ctx: int, slots: int, cap: int | None, rows: int = 0) -> ResourcePlan:
     """The plan, or :class:`InsufficientMemoryError` with the numbers when it does not fit."""
-    plan = plan_at(facts, ram, ctx, slots, cap)
+    plan = plan_at(facts, ram, ctx, slots, cap, rows)
     if not plan.fits:
         from .console import human_bytes
 
@@ -249,14 +246,15 @@ def prepare(model: ResolvedModel, *, ram_gib: float | None = None, ctx: int | No
     check_container(facts)
     check_cap_and_threads(facts, cap, threads)
     ram = ram_bytes(ram_gib)
+    rows = (tune.choices.prefill_chunk if tune is not None else 0) or STREAMING_PREFILL_CHUNK
     if chosen and (needed is not None or trade_ctx):
-        choice = choose_ctx(ctx, lambda c: plan_at(facts, ram, c, slots, cap), needed, cap_given=bool(cap))
+        choice = choose_ctx(ctx, lambda c: plan_at(facts, ram, c, slots, cap, rows), needed, cap_given=bool(cap))
         ctx = choice.ctx
         if choice.notice:
             from .console import print_warning
 
             print_warning(choice.notice)
-    plan = plan_for(facts, ram, ctx, slots, cap)
+    plan = plan_for(facts, ram, ctx, slots, cap, rows)
     binary = builder.engine_for_model(model)
     if binary is None:
         raise EngineError(f"family {model.family} has no engine binary", "coli families shows what runs")

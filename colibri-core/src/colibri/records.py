@@ -157,6 +157,7 @@ class PlanRequest:
     kv_slots: int = 1
     disk_bandwidth: float = 0.0            # bytes/s; 0 = unknown
     cap: int = 0                           # force expert slots per layer (0 = from the budget)
+    prefill_rows: int = 0                  # the streaming prefill chunk launch will ask for (0 = the default 128)
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,7 @@ def _print_plan(facts: ModelFacts, request: PlanRequest, plan: ResourcePlan, sou
         rows.append(("recurrent state", f"{human_bytes(plan.state_bytes)} = {g.state_bytes_per_slot} B x "
                                         f"{request.kv_slots} slot(s)"))
     if not plan.stages:
-        rows.append(("reserve", f"{human_bytes(plan.reserve_bytes)} (prefill scratch + 64 MiB runtime)"))
+        rows.append(("reserve", f"{human_bytes(plan.reserve_bytes)} (one prefill pass's scratch + 64 MiB runtime)"))
     if plan.moe_layers:
         rows += [("expert cache", f"{plan.cache_slots_per_layer} of {plan.experts_per_layer} slots/layer x "
                                   f"{plan.moe_layers} MoE layers x {human_bytes(plan.expert_bytes)} = "

@@ -424,14 +424,33 @@ void cb_moe_free(cb_moe *m) {
     free(m->rows);
     free(m->n_rows);
     free(m->weight_of_row);
+    if (!m->borrowed) {
+        free(m->xs);
+        free(m->gate);
+        free(m->up);
+        free(m->down);
+        free(m->y);
+    }
+    free(m->pair_of_row);
+    free(m->next_logits);
+    memset(m, 0, sizeof *m);
+}
+
+void cb_moe_share_scratch(cb_moe *m, const cb_moe *owner) {
+    if (m == owner || m->borrowed || m->hidden != owner->hidden || m->inter != owner->inter ||
+        m->top_k != owner->top_k || m->max_batch != owner->max_batch)
+        return;
     free(m->xs);
     free(m->gate);
     free(m->up);
     free(m->down);
     free(m->y);
-    free(m->pair_of_row);
-    free(m->next_logits);
-    memset(m, 0, sizeof *m);
+    m->xs = owner->xs;
+    m->gate = owner->gate;
+    m->up = owner->up;
+    m->down = owner->down;
+    m->y = owner->y;
+    m->borrowed = 1;
 }
 
 /* Top-k of probs: repeated selection of the largest remaining (strictly greater wins, so ties go to the

@@ -128,6 +128,7 @@ typedef struct {
     float *y;                  /* max_batch x top_k x hidden: each (row, choice)'s expert output */
     int *pair_of_row;          /* row of the current expert -> its (row, choice) index */
     float *next_logits;        /* lookahead: the next layer's router applied to this layer's input */
+    int borrowed;              /* xs, gate, up, down and y are another layer's (cb_moe_share_scratch) */
 } cb_moe;
 
 /* down row r = expert(x row rows[r]) for r < n_rows: the one computation of a routed expert's output, whichever
@@ -143,6 +144,11 @@ int cb_moe_init(cb_moe *m, const cb_st_index *idx, int layer, const char *router
                 const char *const expert_names[3], int n_experts, int top_k, int norm_topk_prob, int hidden,
                 int inter, int cap, int max_batch, size_t *dense_bytes, char *err, size_t errlen);
 void cb_moe_free(cb_moe *m);
+/* Point m's expert-compute scratch (xs, gate, up, down, y: the large buffers, max_batch x top_k x hidden for y) at
+ * owner's and free m's own. A model's MoE layers run one after another, so one set serves them all instead of one
+ * per layer; the router's buffers stay per layer (lookahead routes the next layer while this one computes). Does
+ * nothing unless both have the same shape. */
+void cb_moe_share_scratch(cb_moe *m, const cb_moe *owner);
 /* out[i] = sum over the top-k experts of row i of weight * down(silu(gate x) * up x). Softmax over all
  * experts in f32, top-k (lowest index first on ties), renormalised when norm_topk_prob. Experts are visited
  * in ascending index, each read at most once per call and applied to every row that chose it; each row's sum

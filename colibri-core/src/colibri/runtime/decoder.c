@@ -210,6 +210,21 @@ static int load_shared(cb_decoder *d, const cb_recipe *r, cb_ffn *f, int l, char
                        d->max_batch, &d->dense_bytes, err, errlen);
 }
 
+static cb_moe *routed_of(cb_ffn *f) {
+    return f->kind == CB_FFN_MOE ? &f->moe : f->kind == CB_FFN_GROUPED ? &f->grouped.moe : NULL;
+}
+
+/* Every MoE layer computes its experts in the first MoE layer's scratch: layers run one at a time, and per-layer
+ * copies would cost n_layers x max_batch x top_k x hidden floats that the RAM plan gives the expert cache. */
+static void share_moe_scratch(cb_decoder *d) {
+    cb_moe *owner = NULL;
+    for (int l = 0; l < d->n_layers; l++) {
+        cb_moe *m = routed_of(&d->ffn[l]);
+        if (m && owner) cb_moe_share_scratch(m, owner);
+        else if (m) owner = m;
+    }
+}
+
 static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t errlen) {
     cb_ffn *f = &d->ffn[l];
     char moe_fmt[PREFIX_LEN], name[PREFIX_LEN];
@@ -314,6 +329,7 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
                                            &d->dense_bytes, err, errlen)) ||
             (r->load_layer && r->load_layer(m, l, err, errlen)) || load_ffn(d, r, l, err, errlen))
             return -1;
+    share_moe_scratch(d);
     size_t B = (size_t)d->max_batch, H = (size_t)d->hidden;
     d->x = malloc(B * H * sizeof(float));
     d->h = malloc(B * H * sizeof(float));
