@@ -56,8 +56,10 @@ static int gliner2_load(void **model, const cb_load_args *a, cb_model_info *info
     m->one = 1;
     m->ctx = a->ctx;
     if (cb_load_tensors(m, m, CLASSIFIER, 0, &m->d.idx, &bytes, err, errlen)) goto fail;
-    *info = (cb_model_info){.vocab = c.vocab, .outputs = 1, .dense_bytes = bytes,
-                            .max_positions = c.position_biased_input ? c.max_positions : 0};
+    info->vocab = c.vocab;
+    info->outputs = 1;         /* the classifier's one logit: every option of a decide is 0 */
+    info->max_positions = c.position_biased_input ? c.max_positions : 0;
+    info->dense_bytes = bytes;
     return 0;
 fail:
     gliner2_free(m);
