@@ -137,3 +137,26 @@ def test_serve_chat_route_says_what_to_do_without_a_template(original, tmp_path)
     with pytest.raises(ConfigError) as info:
         TokenizerCodec(load_tokenizer_dir(bare)).chat_ids([{"role": "user", "content": "hi"}])
     assert info.value.hint == NO_TEMPLATE_FIX and "/v1/completions" in NO_TEMPLATE_FIX
+
+
+@pytest.mark.parametrize("family", ["qwen", "image"])
+def test_each_family_that_knows_qwen2_tokenizer_splits_as_transformers(original, tmp_path, monkeypatch, family):
+    """colibri-qwen and colibri-image each answer byte_level_split for Qwen2Tokenizer (a Qwen-Image pipeline's
+    tokenizer/): with only one of them installed, the converted files still tokenize as transformers does."""
+    import transformers
+
+    from colibri import plugins
+    from colibri.tokenizer import load_tokenizer_dir
+
+    pytest.importorskip(f"colibri_{family}")
+    monkeypatch.setenv("COLIBRI_DISABLE_PLUGINS", {"qwen": "image", "image": "qwen"}[family])
+    plugins.reset()
+    try:
+        converted = copy_of(original, tmp_path / "bpe")
+        as_vocab_and_merges(converted, "Qwen2Tokenizer")
+        ours, theirs = load_tokenizer_dir(converted), transformers.AutoTokenizer.from_pretrained(str(converted))
+        for text in (*TEXTS, "(n) 12345 caf\u0065\u0301 it's\r\n\n  x"):
+            assert ours.encode(text) == theirs(text)["input_ids"], text
+    finally:
+        monkeypatch.delenv("COLIBRI_DISABLE_PLUGINS")
+        plugins.reset()

@@ -23,7 +23,7 @@ from repeated_lines import code_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_HOOKS = ("setup", "finish", "load_layer", "free_layer", "free_model", "load_model")
-FORWARD_HOOKS = ("mixer", "ffn", "forward", "logits")
+FORWARD_HOOKS = ("mixer", "ffn", "forward", "logits", "decide")   # decide: an encoder family's whole-prompt forward
 
 
 def items(path: Path) -> list[tuple[str, str, int]]:

@@ -10,7 +10,7 @@ import pytest
 from colibri import hookimpl, plugins
 from colibri.checkpoint import TensorIndex
 from colibri.doctor import family_source
-from colibri.errors import FamilyError
+from colibri.errors import ConfigError, FamilyError
 from colibri.inventory import geometry_of, load_facts
 from colibri.model import resolve_model
 from colibri.records import (
@@ -21,6 +21,7 @@ from colibri.records import (
     FamilyDescriptor,
     Limits,
     PlanRequest,
+    PreTokenizerSplit,
     ShardSet,
 )
 
@@ -216,6 +217,42 @@ def test_hook_load_tokenizer(olmoe, family_class):
     plugins.reset()
     plugins.register(OwnTokenizer(), "testolmoe")
     assert plugins.family_hook("testolmoe", "load_tokenizer")(model=olmoe) is sentinel
+
+
+def bpe_files(directory: Path, tokenizer_class: str) -> Path:
+    """vocab.json + merges.txt of a byte-level BPE that merges "ab" and "12", saved by ``tokenizer_class``."""
+    directory.mkdir()
+    vocab = {"a": 0, "b": 1, "1": 2, "2": 3, "ab": 4, "12": 5, "Ġ": 6}
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (directory / "merges.txt").write_text("#version: 0.2\na b\n1 2\n", encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}),
+                                                     encoding="utf-8")
+    return directory
+
+
+def test_hook_byte_level_split(two_families, tmp_path):
+    from colibri.tokenizer import load_tokenizer_dir
+
+    # core's default knows GPT-2's classes: its own split keeps "ab" and "12" whole, so both merge
+    assert load_tokenizer_dir(bpe_files(tmp_path / "gpt2", "GPT2TokenizerFast")).encode("ab12") == [4, 5]
+    # a class no installed family knows is refused in one line naming it, with the command that writes
+    # tokenizer.json
+    unknown = bpe_files(tmp_path / "split", "OneByOneTokenizer")
+    with pytest.raises(ConfigError, match="OneByOneTokenizer and no tokenizer.json") as refused:
+        load_tokenizer_dir(unknown)
+    assert "save_pretrained" in refused.value.hint and "\n" not in str(refused.value)
+
+    class OneByOne:
+        """A family that knows the class: every character is a piece, so nothing merges (asked by any family:
+        the class is a file format, not the claimed model's)."""
+
+        @hookimpl
+        def byte_level_split(self, tokenizer_class):
+            return PreTokenizerSplit(pattern=".", nfc=True) if tokenizer_class == "OneByOneTokenizer" else None
+
+    plugins.register(OneByOne(), "onebyone")
+    assert load_tokenizer_dir(unknown).encode("ab12") == [0, 1, 2, 3]
+    assert load_tokenizer_dir(tmp_path / "gpt2").encode("ab12") == [4, 5]   # its answer is None: core's stands
 
 
 def load_plan(model):

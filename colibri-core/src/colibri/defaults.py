@@ -20,8 +20,8 @@ from .decision import LabelTokenDecider, load_settings
 from .planner import plan
 from .prompt import render_conversation
 from .records import (
-    TEXT_GENERATION, ConverterSpec, EngineEnv, Geometry, PlanRequest, ResolvedModel, ResourcePlan, ShardSet,
-    TensorLayout,
+    TEXT_GENERATION, ConverterSpec, EngineEnv, Geometry, PlanRequest, PreTokenizerSplit, ResolvedModel, ResourcePlan,
+    ShardSet, TensorLayout,
 )
 from .tokenizer import load_tokenizer_dir
 
@@ -69,6 +69,10 @@ class CoreDefaults:
         return load_tokenizer_dir(model.path, model.config)
 
     @hookimpl(trylast=True)
+    def byte_level_split(self, tokenizer_class: str) -> PreTokenizerSplit | None:
+        return PreTokenizerSplit() if tokenizer_class in GPT2_CLASSES else None
+
+    @hookimpl(trylast=True)
     def render_prompt(self, model: ResolvedModel, messages: Any, tools: Any, options: Any) -> str | None:
         tok = self._tokenizers.get((model.path, model.family))
         if tok is None:
@@ -81,5 +85,7 @@ class CoreDefaults:
         return render_conversation(tok, messages, tools, options)
 
 
+# GPT-2's own tokenizer classes: the byte-level pre-tokenizer's built-in split rule, no normalizer.
+GPT2_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
 # Loading a real tokenizer takes a good part of a second: a server renders every request, so keep the last few.
 KEEP_TOKENIZERS = 4

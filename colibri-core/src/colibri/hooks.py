@@ -16,7 +16,7 @@ from .decision import Decider
 from .errors import EngineError, FamilyError
 from .records import (
     Claim, ConverterSpec, DemoModel, EngineEnv, EngineSource, FamilyDescriptor, Geometry, Limits, PlanRequest,
-    ResolvedModel, ResourcePlan, RouteSpec, RunOption, ShardSet, TensorLayout,
+    PreTokenizerSplit, ResolvedModel, ResourcePlan, RouteSpec, RunOption, ShardSet, TensorLayout,
 )
 
 
@@ -73,6 +73,11 @@ def load_tokenizer(model: ResolvedModel) -> Any:
     """A :class:`colibri.tokenizer.TextTokenizer` (typed ``Any`` so this module does not import the tokenizers
     library)."""
     return plugins.family_hook(model.family, "load_tokenizer")(model=model)
+
+
+def byte_level_split(tokenizer_class: str) -> PreTokenizerSplit | None:
+    """How ``tokenizer_class`` splits text before byte-level BPE (asked of every family; core knows GPT-2's)."""
+    return plugins.manager().hook.byte_level_split(tokenizer_class=tokenizer_class)
 
 
 def render_prompt(model: ResolvedModel, messages: Sequence[Mapping[str, Any]],

@@ -35,6 +35,7 @@ from .records import (
     Geometry,
     Limits,
     PlanRequest,
+    PreTokenizerSplit,
     ResolvedModel,
     ResourcePlan,
     RouteSpec,
@@ -204,6 +205,21 @@ def load_tokenizer(model: ResolvedModel) -> Any:
 
     :param model: the resolved model.
     :returns: a :class:`colibri.tokenizer.TextTokenizer`.
+    """
+
+
+@hookspec(firstresult=True)
+def byte_level_split(tokenizer_class: str) -> PreTokenizerSplit | None:
+    """Say how a byte-level BPE tokenizer class splits text, for a checkpoint that ships ``vocab.json`` +
+    ``merges.txt`` and no ``tokenizer.json`` (``tokenizer_config.json`` names the class).
+
+    A discovery hook: asked of every installed family (the class is a file format, not a model, e.g. a diffusers
+    pipeline's ``tokenizer/`` folder), firstresult. Core's default knows GPT-2's own classes; a class nobody
+    answers for is refused with one line naming it and the command that writes ``tokenizer.json``.
+
+    :param tokenizer_class: ``tokenizer_config.json``'s ``tokenizer_class`` (e.g. ``"GPT2TokenizerFast"``).
+    :returns: a :class:`~colibri.records.PreTokenizerSplit` (what transformers' converter for the class builds),
+        or ``None`` when the family does not know the class.
     """
 
 

@@ -254,6 +254,16 @@ class RouteSpec:
 
 
 @dataclass(frozen=True)
+class PreTokenizerSplit:
+    """How a byte-level BPE tokenizer class splits text before its bytes are encoded (``byte_level_split``): what
+    transformers' converter for that class builds from ``vocab.json`` + ``merges.txt``."""
+
+    pattern: str | None = None  # a regex each match of which is a piece (isolated); None: GPT-2's own split rule,
+    #                             inside the byte-level pre-tokenizer
+    nfc: bool = False           # NFC-normalize the text first
+
+
+@dataclass(frozen=True)
 class RunOption:
     """One ``coli run`` flag a family adds for its own task (returned by ``run_options``); its value reaches the
     family's ``run_handler`` under ``name`` (the flag without dashes, ``-`` as ``_``), ``None`` when not given."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from . import chat_template as ct
 from .errors import ConfigError
+from .records import PreTokenizerSplit
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -112,14 +113,21 @@ def load_tokenizer_dir(model_dir: Path, config: Mapping[str, Any] | None = None)
 
 BPE_FILES = ("vocab.json", "merges.txt")
 SENTENCEPIECE_FILE = "tokenizer.model"
-# The tokenizer classes whose vocab.json + merges.txt colibri converts: byte-level BPE with the split rule
-# transformers gives each (None: GPT-2's own, inside the byte-level pre-tokenizer; a regex: split on it first, after
-# NFC, as transformers' Qwen2Tokenizer does, e.g. a Qwen-Image pipeline's tokenizer/). Other classes that ship the
-# same two files split differently, so they are refused rather than tokenized almost right.
-QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-BYTE_LEVEL_CLASSES: dict[str, str | None] = {"GPT2Tokenizer": None, "GPT2TokenizerFast": None,
-                                             "Qwen2Tokenizer": QWEN2_SPLIT, "Qwen2TokenizerFast": QWEN2_SPLIT}
+
+
+def pre_tokenizer_split(model_dir: Path, tokenizer_class: str | None) -> PreTokenizerSplit:
+    """The split rule of the class that wrote vocab.json + merges.txt, as the families know it (the
+    ``byte_level_split`` hook; no class: GPT-2's). Classes that ship the same two files split differently, so one
+    nobody knows is refused rather than tokenized almost right."""
+    if tokenizer_class is None:
+        return PreTokenizerSplit()
+    from . import hooks   # the plugin layer sits above the tokenizer (hooks -> decision -> tokenizer)
+
+    split = hooks.byte_level_split(tokenizer_class)
+    if split is None:
+        raise ConfigError(f"{model_dir}: vocab.json + merges.txt of a {tokenizer_class} and no tokenizer.json (no "
+                          f"installed family converts that tokenizer class)", convert_hint(model_dir))
+    return split
 
 
 def byte_level_bpe(model_dir: Path) -> Any:
@@ -130,10 +138,7 @@ def byte_level_bpe(model_dir: Path) -> Any:
 
     tok_config = ct.read_json_file(model_dir / ct.TOKENIZER_CONFIG) or {}
     cls = tok_config.get("tokenizer_class")
-    if cls is not None and cls not in BYTE_LEVEL_CLASSES:
-        raise ConfigError(f"{model_dir}: vocab.json + merges.txt of a {cls} and no tokenizer.json (colibri converts "
-                          f"only {', '.join(BYTE_LEVEL_CLASSES)} files itself)", convert_hint(model_dir))
-    split = BYTE_LEVEL_CLASSES.get(cls) if cls else None
+    split = pre_tokenizer_split(model_dir, None if cls is None else str(cls))
     vocab, merges = (str(model_dir / name) for name in BPE_FILES)
     try:
         model = models.BPE.from_file(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
@@ -143,12 +148,13 @@ def byte_level_bpe(model_dir: Path) -> Any:
                           "restore them from the original checkpoint") from None
     backend = Tokenizer(model)
     prefix_space = bool(tok_config.get("add_prefix_space"))
-    if split is None:
+    if split.nfc:
+        backend.normalizer = normalizers.NFC()
+    if split.pattern is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     else:
-        backend.normalizer = normalizers.NFC()
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split.pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)

@@ -191,14 +191,21 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 
 RUNTIME_API = 1   # the colibri runtime C API the engine sources are written for (CB_RUNTIME_API, runtime/api.h)
 ENGINE_DIR = Path(__file__).parent / "engine"
-LAYA_ENGINE = EngineSource(name="colibri-laya", sources=(ENGINE_DIR / "laya.c",), runtime_api=RUNTIME_API)
+
+
+def encoder_engine(source: Path) -> EngineSource:
+    """A decide-only encoder engine (Laya, GLiNER2): a ``cb_family`` with a ``decide`` call and no ``forward``,
+    run by the runtime's one engine process like every other (docs/protocol.md, "Encoder engines")."""
+    return EngineSource(name=f"colibri-{source.stem}", sources=(source,), runtime_api=RUNTIME_API)
+
+
+LAYA_ENGINE = encoder_engine(ENGINE_DIR / "laya.c")
 
 
 def _gliner2_engine(model: ResolvedModel) -> EngineSource | None:
     """The GLiNER2 engine, for the extractors it runs (a DeBERTa-v2/v3 encoder; see gliner2.engine_problem)."""
     enc, _, _ = _encoder(model)
-    return None if gliner2.engine_problem(enc) else EngineSource("colibri-gliner2", (gliner2.ENGINE,),
-                                                                  runtime_api=RUNTIME_API)
+    return None if gliner2.engine_problem(enc) else encoder_engine(gliner2.ENGINE)
 
 
 def _gliner2_env(model: ResolvedModel) -> tuple[str, ...]:

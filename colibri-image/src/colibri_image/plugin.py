@@ -17,7 +17,8 @@ from colibri import hookimpl
 from colibri.checkpoint import TensorIndex, read_index
 from colibri.errors import ConfigError
 from colibri.records import (
-    TEXT_TO_IMAGE, Claim, EngineSource, FamilyDescriptor, Geometry, Limits, ResolvedModel, ShardSet, TensorLayout,
+    TEXT_TO_IMAGE, Claim, EngineSource, FamilyDescriptor, Geometry, Limits, PreTokenizerSplit, ResolvedModel, ShardSet,
+    TensorLayout,
 )
 
 FAMILY = "image"
@@ -152,6 +153,11 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"
 ENGINE_PIPELINES = ("QwenImagePipeline", "QwenImage21Pipeline")
 TOKENIZER_FOLDERS = ("tokenizer", "processor")
+# The Qwen-Image text encoder's tokenizer/ is a transformers Qwen2Tokenizer saved as vocab.json + merges.txt: NFC,
+# its split regex, then byte-level BPE without GPT-2's regex (what transformers' converter builds for the class).
+TOKENIZER_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+TOKENIZER_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                   r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 ENGINE_SOURCES = ("image_ops.c", "qwen_image.c", "qwen_image21.c")
 
 
@@ -183,6 +189,11 @@ def limits(model: ResolvedModel) -> Limits:
 @hookimpl
 def model_task(model: ResolvedModel) -> str:
     return TEXT_TO_IMAGE
+
+
+@hookimpl
+def byte_level_split(tokenizer_class: str) -> PreTokenizerSplit | None:
+    return PreTokenizerSplit(TOKENIZER_SPLIT, nfc=True) if tokenizer_class in TOKENIZER_CLASSES else None
 
 
 @hookimpl

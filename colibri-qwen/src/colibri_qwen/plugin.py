@@ -15,8 +15,8 @@ from colibri import configs, hookimpl
 from colibri.engine_args import RUNTIME_QUANT_SCHEMES, kv_bytes, rope_values, set_args
 from colibri.errors import ConfigError
 from colibri.records import (
-    EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, ResolvedModel, ResourcePlan,
-    TensorLayout,
+    EngineEnv, EngineSource, ExpertTensors, FamilyDescriptor, Geometry, Limits, PreTokenizerSplit, ResolvedModel,
+    ResourcePlan, TensorLayout,
 )
 from colibri.output_parser import OutputParser
 
@@ -257,3 +257,17 @@ def build_env(model: ResolvedModel, plan: ResourcePlan) -> EngineEnv:
 @hookimpl
 def parse_output(model: ResolvedModel) -> Any:
     return OutputParser(SYNTAX)
+
+
+# transformers' Qwen2Tokenizer (slow and fast): NFC, then this split, then byte-level BPE without GPT-2's own regex.
+# Qwen checkpoints ship tokenizer.json; vocab.json + merges.txt alone come from older saves and pipeline folders.
+QWEN2_TOKENIZER_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+QWEN2_SPLIT = PreTokenizerSplit(
+    pattern=(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+             r"""\s*[\r\n]+|\s+(?!\S)|\s+"""),
+    nfc=True)
+
+
+@hookimpl
+def byte_level_split(tokenizer_class: str) -> PreTokenizerSplit | None:
+    return QWEN2_SPLIT if tokenizer_class in QWEN2_TOKENIZER_CLASSES else None

@@ -84,7 +84,7 @@ typedef struct {
     char *in;
     size_t in_len, in_cap;
     int in_eof, discarding, shutdown;
-    uint64_t prefilled_total, generated_total;
+    uint64_t prefilled_total, generated_total, decides;
 } engine_t;
 
 /* ---- small helpers ---- */
@@ -298,6 +298,7 @@ static int load_slot(engine_t *E, slot_t *s, const char *path, const char *ident
 
 static void finish(engine_t *E, slot_t *s, const char *reason) {
     cb_buf *b = &E->out;
+    E->decides += !strcmp(reason, "decided");
     cb_buf_printf(b, "{\"ev\":\"done\",\"id\":%lld,\"reason\":\"%s\",\"prompt_tokens\":%d,"
                      "\"prefilled_tokens\":%d,\"generated_tokens\":%d,\"prefill_tps\":",
                   (long long)s->id, reason, s->prompt_len, s->next - s->reused, s->generated);
@@ -396,7 +397,9 @@ static void take_token(engine_t *E, slot_t *s, const float *logits) {
     s->phase = SEQ_DECODE;
 }
 
-/* A decide of an encoder family: the whole prompt in one call (cb_family.decide), then its decision. */
+/* A decide of an encoder family: the whole prompt in one call (cb_family.decide), then its decision. It is
+ * answered as soon as it is accepted: there is nothing to interleave with other slots, and the next request line
+ * (a `stats`, a `shutdown`) then sees it done. */
 static void decide_whole(engine_t *E, slot_t *s) {
     char err[ERRLEN];
     double t0 = now_s();
@@ -417,10 +420,6 @@ static void decide_whole(engine_t *E, slot_t *s) {
 
 static int step(engine_t *E, slot_t *s, char *err) {
     int vocab = E->info.vocab;
-    if (s->phase == SEQ_PREFILL && s->decide.n_marks && E->fam->decide) {
-        decide_whole(E, s);
-        return 0;
-    }
     if (s->phase == SEQ_PREFILL) {
         int n = s->prompt_len - s->next;
         if (n > E->prefill_chunk) n = E->prefill_chunk;
@@ -610,7 +609,8 @@ static void do_submit(engine_t *E, cb_json *req) {
     cb_decide decide = {0};
     cb_json *op = cb_json_get(req, "op");
     int deciding = op && op->type == CB_JSTR && !strcmp(op->str, "decide");
-    if (deciding && cb_decide_parse(req, E->info.vocab, n_prompt, &decide, err, ERRLEN)) {
+    int options = E->fam->decide ? E->info.outputs : E->info.vocab;   /* a head's columns, else token ids */
+    if (deciding && cb_decide_parse(req, options, n_prompt, &decide, err, ERRLEN)) {
         cb_procs_free(&procs);
         free(prompt);
         free(stop);
@@ -681,6 +681,7 @@ static void do_submit(engine_t *E, cb_json *req) {
     }
     cb_buf_puts(&E->out, "}");
     emit(E);
+    if (deciding && E->fam->decide) decide_whole(E, s);
 }
 
 static void do_stats(engine_t *E) {
@@ -693,8 +694,9 @@ static void do_stats(engine_t *E) {
     put_float(b, acc ? (double)tot.hits / (double)acc : 0.0);
     cb_buf_printf(b, ",\"expert_bytes_read\":%llu,\"expert_reads\":%llu", (unsigned long long)tot.bytes_read,
                   (unsigned long long)tot.reads);
-    cb_buf_printf(b, ",\"prefilled_tokens\":%llu,\"generated_tokens\":%llu,\"rss_bytes\":%zu",
-                  (unsigned long long)E->prefilled_total, (unsigned long long)E->generated_total, cb_rss_bytes());
+    cb_buf_printf(b, ",\"prefilled_tokens\":%llu,\"generated_tokens\":%llu,\"decides\":%llu,\"rss_bytes\":%zu",
+                  (unsigned long long)E->prefilled_total, (unsigned long long)E->generated_total,
+                  (unsigned long long)E->decides, cb_rss_bytes());
     put_streaming(b);
     static const char *names[] = {"layers", "hits", "misses", "bytes_read", "reads"};
     for (int f = 0; f < 5; f++) {
@@ -978,8 +980,13 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         emit_fatal("bad_args", err);
         goto out_threads;
     }
-    if (E.info.vocab < 1 || E.info.n_layers < 0 || E.info.kv_dim < 0) {
+    if (E.info.vocab < 1 || E.info.n_layers < 0 || E.info.kv_dim < 0 || (family->decide && E.info.outputs < 1)) {
         emit_fatal("load", "the family reported an invalid model geometry");
+        goto out_threads;
+    }
+    if (E.info.max_positions > 0 && E.ctx > E.info.max_positions) {
+        snprintf(err, ERRLEN, "--ctx %d: the model reads at most %d positions", E.ctx, E.info.max_positions);
+        emit_fatal("bad_args", err);
         goto out_threads;
     }
     if (alloc_slots(&E, err)) {
@@ -1012,6 +1019,7 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
                   (unsigned long long)preloaded, cb_experts_staging_bytes());
     cb_buf_json_str(&E.out, cb_experts_hotset_status());
     put_streaming(&E.out);
+    if (family->decide) cb_buf_printf(&E.out, ",\"outputs\":%d", E.info.outputs);
     /* a head-only model or an encoder only decides, and keeps no KV worth a file */
     int decide_only = E.info.decide_only || !family->forward;
     cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\",\"kv_files\"]}");

@@ -1,6 +1,6 @@
 /* events.h: the output side of the engine protocol (docs/protocol.md) that every engine process shares: one JSON
  * event per stdout line, `error` and `fatal` events, and the checks of request fields and command-line numbers,
- * so engine.c (language models) and encoder_engine.c (decision-only encoders) answer alike.
+ * so every engine answers alike.
  */
 #ifndef COLIBRI_EVENTS_H
 #define COLIBRI_EVENTS_H

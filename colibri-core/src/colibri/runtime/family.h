@@ -32,6 +32,10 @@ typedef struct {
     size_t expert_cache_bytes;
     int decide_only;           /* 1: the logits are a decision head's scores, not next tokens: the engine announces
                                 * only "decide" and refuses generation */
+    int outputs;               /* with cb_family.decide: the head's outputs per position; a decide's options lie in
+                                * [0, outputs) (the runtime checks them) and `ready` announces it */
+    int max_positions;         /* the longest sequence the model reads (0: only --ctx bounds it); a larger --ctx is
+                                * refused at start */
     int n_expert_layers;
     cb_expert_layer **expert_layers;   /* owned by the model; read for stats */
 } cb_model_info;
@@ -47,9 +51,10 @@ typedef struct cb_family {
     void (*free)(void *model);
     /* Optional: answer a decide from the whole prompt in one call, for a bidirectional encoder (every token sees
      * every other, so nothing is computed in chunks, no KV is kept and no prefix is reused). Fill d->scores: per
-     * mark, one score per option, the options being the family's own columns (a decision head's outputs), which
-     * it checks (-1 with a message: the request is refused, the engine goes on). forward may then be NULL: the
-     * engine only decides and refuses generation. */
+     * mark, one score per option, the options being columns of the family's decision head, in
+     * [0, cb_model_info.outputs) (checked by the runtime). -1 with a message refuses the request (the engine goes
+     * on). forward may then be NULL: the engine only decides and refuses generation. This is the one decide-only
+     * path: an encoder family is a cb_family like any other and runs in cb_engine_main. */
     int (*decide)(void *model, const int *tokens, int n, cb_decide *d, char *err, size_t errlen);
 } cb_family;
 

@@ -134,14 +134,11 @@ static void laya_free(void *model) {
     for (int l = 0; m->layers && l < m->d.n_layers; l++) cb_free_tensors(&m->layers[l], ENCODER_LAYER);
     for (int l = 0; m->head && l < m->head_layers; l++) cb_free_tensors(&m->head[l], HEAD_LAYER);
     cb_free_tensors(m, MODEL);
-    free(m->layers);
-    free(m->head);
-    free(m->normed);
     cb_rope_free(&m->global_rope);
     cb_rope_free(&m->local_rope);
     cb_enc_scratch_free(&m->scratch);
-    void *scratch[] = {m->enc, m->x, m->h, m->proj, m->mlp, m->row};
-    for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) free(scratch[i]);
+    void *owned[] = {m->layers, m->head, m->normed, m->enc, m->x, m->h, m->proj, m->mlp, m->row};
+    for (size_t i = 0; i < sizeof owned / sizeof *owned; i++) free(owned[i]);
     cb_st_close(&m->d.idx);
     free(m);
 }
@@ -166,13 +163,9 @@ static int setup(laya_model *m, const cb_load_args *a, char *err, size_t errlen)
     if (!(m->normed = malloc((size_t)n + 1))) return cb_oom(err, errlen, "the layer table");
     for (int l = 0; l < n; l++) m->normed[l] = l ? 'N' : '-';
     m->normed[n] = 0;
-    cb_enc_attn probe;
-    if (cb_enc_attn_shape(&probe, D, m->n_heads, err, errlen) ||
-        (m->head_layers && cb_enc_attn_shape(&probe, D, m->head_heads, err, errlen)))
-        return -1;
-    int hd = D / m->n_heads;
-    if (hd % 2) {
-        snprintf(err, errlen, "--set num_attention_heads=%d: a head of %d dimensions cannot rotate", m->n_heads, hd);
+    int hd = D / m->n_heads;   /* n_heads >= 1: a required key */
+    if (D % m->n_heads || hd % 2) {
+        snprintf(err, errlen, "--set num_attention_heads=%d: %d dimensions split into no even heads", m->n_heads, D);
         return -1;
     }
     if (rope_of(&m->global_rope, m->global_theta, hd) || rope_of(&m->local_rope, m->local_theta, hd))
@@ -212,6 +205,7 @@ static int laya_load(void **out, const cb_load_args *a, cb_model_info *info, cha
             cb_load_tensors(&m->head[l], m, HEAD_LAYER, l, &m->d.idx, &bytes, err, errlen))
             goto fail;
     info->vocab = m->d.vocab;
+    info->outputs = N_TYPES;   /* a decide's option at a mark is the question type whose score the head gives */
     info->dense_bytes = bytes;
     *out = m;
     return 0;
@@ -295,14 +289,7 @@ static float score(laya_model *m, int row) {
 static int laya_decide(void *model, const int *tokens, int n, cb_decide *d, char *err, size_t errlen) {
     laya_model *m = model;
     int used[N_TYPES] = {0};
-    for (int k = 0; k < d->first_option[d->n_marks]; k++) {
-        if (d->options[k] >= N_TYPES) {
-            snprintf(err, errlen, "field \"options\": a Laya decide reads question types 0 (choice), 1 (score) and "
-                                  "2 (noul), got %d", d->options[k]);
-            return -1;
-        }
-        used[d->options[k]] = 1;
-    }
+    for (int k = 0; k < d->first_option[d->n_marks]; k++) used[d->options[k]] = 1;   /* in [0, N_TYPES): outputs */
     if (n > m->max_n) {
         snprintf(err, errlen, "a prompt of %d tokens exceeds the context of %d", n, m->max_n);
         return -1;
