@@ -18,7 +18,9 @@
 #include <string.h>
 
 /* A shadow's hit loses half its weight over 64 lookups: about 8 tokens of a top-8 layer, 32 of a top-2 one, so a
- * greedy loop of a few tokens wins the lead within one or two passes and a phase of skewed routing wins it back. */
+ * greedy loop of a few tokens wins the lead within one or two passes and a phase of skewed routing wins it back.
+ * Half-lives of 10-14 lookups gained up to 0.8 points on nano's greedy loops in the engine but lost 0.1-0.2 on its
+ * held-out text, and flip on test_duel's skewed trace below this margin (docs/benchmarks.md, set dueling). */
 #define DUEL_DECAY 0.98922801319397     /* 0.5 ** (1 / 64): a half-life of 64 lookups */
 #define DUEL_FLUSH 1e-9      /* a lead this close to zero is a tie (and never decays into subnormals) */
 /* The lead changes hands only past this many recent would-be hits: on skewed routing LRU wins a lookup here and
