@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engines" / "bench"))
 
 import stream_bench as sb  # noqa: E402
+from engine_ab import geometry_args, use_geometry  # noqa: E402
 
 PINS = {"lru": False, "hot": True, "duel": None}      # launch.Streaming(pin=...): None is the default, set dueling
 
@@ -55,17 +56,10 @@ def run_once(model: Path, cap: int, pin: bool | None, hotset: Path, prompt: list
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=64)
+    geometry_args(ap, rounds=3, layers=8, experts=64, decode=32)
     ap.add_argument("--cap", type=int, default=16, help="cache slots per MoE layer")
-    ap.add_argument("--decode", type=int, default=32, help="decode steps per run")
     args = ap.parse_args(argv)
-    sb.GEOM.update(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128, inter=args.hidden // 2,
-                   experts=args.experts, top_k=8, vocab=32000)
-    sb.DECODE_TOKENS = args.decode
-    g = sb.GEOM
+    g = use_geometry(args)
     model = sb.build_checkpoint(sb.CACHE / f"olmoe-skew-{g['layers']}l-{g['hidden']}h-{g['experts']}e", skew=True,
                                 experts_from=None)
     prompt, forced = sb.workload(g["vocab"], locality=True)

@@ -34,7 +34,7 @@ static inline FILE *open_shard(const char *file, const char *header, size_t hl) 
 
 /* Write tensors to a safetensors file in the given order; returns the file's size. */
 static inline size_t write_shard(const char *file, const fx_tensor *t, int count) {
-    char header[8192];
+    static char header[65536];
     size_t hl = 0, off = 0;
     hl += (size_t)snprintf(header + hl, sizeof header - hl, "{");
     for (int i = 0; i < count; i++) {

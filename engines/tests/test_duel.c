@@ -73,26 +73,34 @@ typedef struct {
 static cb_st_index idx;
 static char hotset_path[300];
 
-/* Replay the trace through a CAP-slot store under the given pin policy, one token at a time as the engine does
- * (its experts, then the hot set's token count). */
-static replay_result replay(int pin, const int *trace, int n_tokens) {
+/* A CAP-slot store (cap: CAP unless given) of the checkpoint under the given pin policy. */
+static void open_store(cb_expert_layer *L, int pin, int cap) {
     cb_stream_opts o = cb_stream_defaults();
     o.pin = pin;
     o.hotset_path = hotset_path;
     cb_experts_configure(&o);
     char err[512];
+    CHECK(cb_experts_init(L, &idx, 0, NEXP, cap ? cap : CAP, HID, INTER, NAMES, err, sizeof err) == 0, "%s", err);
+}
+
+/* One token as the engine serves it: its experts, then the hot set's token count. */
+static void feed_token(cb_expert_layer *L, const int *experts) {
+    char err[512];
+    for (int k = 0; k < TOPK; k++) {
+        cb_expert_view v;
+        int e = experts[k];
+        CHECK(cb_experts_get(L, e, &v, err, sizeof err) == 0, "%s", err);
+        CHECK(((const float *)v.m[CB_DOWN].f.w)[1] == (float)(e * 100 + 20 + 1), "expert %d's bytes", e);
+    }
+    cb_experts_after_tokens(1);
+}
+
+/* Replay the trace through a CAP-slot store under the given pin policy. */
+static replay_result replay(int pin, const int *trace, int n_tokens) {
     cb_expert_layer L;
     replay_result r = {0};
-    CHECK(cb_experts_init(&L, &idx, 0, NEXP, CAP, HID, INTER, NAMES, err, sizeof err) == 0, "%s", err);
-    for (int t = 0; t < n_tokens; t++) {
-        for (int k = 0; k < TOPK; k++) {
-            cb_expert_view v;
-            int e = trace[t * TOPK + k];
-            CHECK(cb_experts_get(&L, e, &v, err, sizeof err) == 0, "%s", err);
-            CHECK(((const float *)v.m[CB_DOWN].f.w)[1] == (float)(e * 100 + 20 + 1), "expert %d's bytes", e);
-        }
-        cb_experts_after_tokens(1);
-    }
+    open_store(&L, pin, 0);
+    for (int t = 0; t < n_tokens; t++) feed_token(&L, trace + t * TOPK);
     r.hits = L.count.hits;
     r.lookups = L.count.hits + L.count.misses;
     memcpy(r.shadow_hits, L.duel.hits, sizeof r.shadow_hits);
@@ -118,41 +126,34 @@ static void compare(const char *what, const int *trace, int n, replay_result out
 
 static int trace[MAX_TOKENS * TOPK];
 
-/* (a) Skewed text, then a greedy loop of two tokens whose experts exactly fill the cache: LRU keeps the loop, the
- * hot set's pins of the text break it until re-pinning catches up; the duel follows LRU once it leads. */
-static void test_greedy_loop(void) {
+/* The three policies on `skewed` tokens of skewed routing then `loop` tokens of a greedy loop, a trace on which
+ * `winner` (0 LRU, 1 the hot set) hits more often than `loser`: the duel must hit at least as often as the winner. */
+static void expect_duel_keeps_the_winner(const char *what, int skewed, int loop, int winner, int loser) {
+    static const char *const NAME[2] = {"LRU", "the hot set"};
     replay_result r[3];
-    int n = make_trace(trace, 96, 160);
-    compare("greedy loop", trace, n, r);
-    CHECK(r[0].hits > r[1].hits, "the loop is a case the hot set loses: lru %llu, hot %llu",
-          (unsigned long long)r[0].hits, (unsigned long long)r[1].hits);
-    CHECK(r[2].hits >= r[0].hits, "duel %llu hits, LRU %llu", (unsigned long long)r[2].hits,
-          (unsigned long long)r[0].hits);
-    CHECK(r[2].switches >= 1, "the lead went to LRU");
+    int n = make_trace(trace, skewed, loop);
+    compare(what, trace, n, r);
+    CHECK(r[winner].hits > r[loser].hits, "%s: a case %s wins: %llu hits against %llu", what, NAME[winner],
+          (unsigned long long)r[winner].hits, (unsigned long long)r[loser].hits);
+    CHECK(r[2].hits >= r[winner].hits, "%s: duel %llu hits, %s %llu", what, (unsigned long long)r[2].hits,
+          NAME[winner], (unsigned long long)r[winner].hits);
+    CHECK(winner == 1 || r[2].switches >= 1, "%s: the lead went to LRU", what);
 }
 
-/* (b) Skewed routing alone: the decayed counts keep the popular experts that LRU drops after a few one-offs. */
-static void test_skewed(void) {
-    replay_result r[3];
-    int n = make_trace(trace, 1024, 0);
-    compare("skewed", trace, n, r);
-    CHECK(r[1].hits > r[0].hits, "skewed routing is a case the hot set wins: lru %llu, hot %llu",
-          (unsigned long long)r[0].hits, (unsigned long long)r[1].hits);
-    CHECK(r[2].hits >= r[1].hits, "duel %llu hits, hot set %llu", (unsigned long long)r[2].hits,
-          (unsigned long long)r[1].hits);
+/* (a) Skewed text, then a greedy loop of two tokens whose experts exactly fill the cache: LRU keeps the loop, the
+ * hot set's pins of the text break it until re-pinning catches up; the duel follows LRU once it leads.
+ * (b) Skewed routing alone: the decayed counts keep the popular experts that LRU drops after a few one-offs. */
+static void test_greedy_loop_and_skew(void) {
+    expect_duel_keeps_the_winner("greedy loop", 96, 160, 0, 1);
+    expect_duel_keeps_the_winner("skewed", 1024, 0, 1, 0);
 }
 
 /* (c) Over a long trace of alternating phases, the shadows hold at most CAP distinct valid experts each, the
  * bookkeeping's bytes never change (a function of the slot count), and the lead stays within its window's bound.
  * A cache of every expert never evicts and keeps no shadows. */
 static void test_bounded(void) {
-    cb_stream_opts o = cb_stream_defaults();
-    o.pin = CB_PIN_DUEL;
-    o.hotset_path = hotset_path;
-    cb_experts_configure(&o);
-    char err[512];
     cb_expert_layer L;
-    CHECK(cb_experts_init(&L, &idx, 0, NEXP, CAP, HID, INTER, NAMES, err, sizeof err) == 0, "%s", err);
+    open_store(&L, CB_PIN_DUEL, 0);
     size_t bytes = cb_experts_duel_bytes(&L);
     CHECK(bytes == (size_t)CAP * (2 * (sizeof(int) + sizeof(uint64_t)) + 1), "%zu bytes of bookkeeping", bytes);
     double max_lead = 0;
@@ -160,12 +161,8 @@ static void test_bounded(void) {
     for (int phase = 0; phase < 16; phase++) {
         int n = make_trace(trace, phase % 2 ? 64 : 200, phase % 2 ? 200 : 8);
         for (int t = 0; t < n; t++) {
-            for (int k = 0; k < TOPK; k++) {
-                cb_expert_view v;
-                CHECK(cb_experts_get(&L, trace[t * TOPK + k], &v, err, sizeof err) == 0, "%s", err);
-                lookups++;
-            }
-            cb_experts_after_tokens(1);
+            feed_token(&L, trace + t * TOPK);
+            lookups += TOPK;
             if (fabs(L.duel.lead) > max_lead) max_lead = fabs(L.duel.lead);
         }
         for (int p = 0; p < CB_DUEL_POLICIES; p++) {
@@ -187,7 +184,7 @@ static void test_bounded(void) {
     CHECK(max_lead <= 93.0, "lead reached %g", max_lead);
     CHECK(L.duel.switches >= 2, "%llu lead changes over alternating phases", (unsigned long long)L.duel.switches);
     cb_experts_free(&L);
-    CHECK(cb_experts_init(&L, &idx, 0, NEXP, NEXP, HID, INTER, NAMES, err, sizeof err) == 0, "%s", err);
+    open_store(&L, CB_PIN_DUEL, NEXP);
     CHECK(cb_experts_duel_bytes(&L) == 0 && !L.duel.tag[0], "a cache of every expert keeps no shadows");
     CHECK(!strcmp(cb_experts_policy_name(), "duel"), "policy %s", cb_experts_policy_name());
     cb_experts_free(&L);
@@ -203,8 +200,7 @@ int main(void) {
     write_experts();
     char err[512];
     CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "%s", err);
-    test_greedy_loop();
-    test_skewed();
+    test_greedy_loop_and_skew();
     test_bounded();
     cb_st_close(&idx);
     cb_experts_io_shutdown();
