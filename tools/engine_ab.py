@@ -69,21 +69,31 @@ def run_once(binary: Path, model: Path, prompt: list[int], forced: list[int]) ->
     return {"prefill_tps": stats.get("prefill_tps"), "decode_tps": stats.get("decode_tps"), "load_avg": load_avg}
 
 
+def geometry_args(ap: argparse.ArgumentParser, rounds: int, layers: int, experts: int, decode: int) -> None:
+    """The reduced bench geometry and workload flags (tools/policy_ab.py shares them)."""
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--prompt", type=int, default=64, help="prefill tokens")
+    ap.add_argument("--decode", type=int, default=decode, help="decode steps")
+
+
+def use_geometry(args: argparse.Namespace) -> dict:
+    """Set stream_bench's geometry and workload lengths from geometry_args' flags; returns the geometry."""
+    sb.GEOM.update(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128, inter=args.hidden // 2,
+                   experts=args.experts, top_k=8, vocab=32000)
+    sb.PROMPT_TOKENS, sb.DECODE_TOKENS = args.prompt, args.decode
+    return sb.GEOM
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="revision A (e.g. the branch point)")
     ap.add_argument("--head", default="HEAD", help="revision B (default HEAD)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=64, help="prefill tokens")
-    ap.add_argument("--decode", type=int, default=16, help="teacher-forced decode steps")
+    geometry_args(ap, rounds=5, layers=4, experts=32, decode=16)
     args = ap.parse_args(argv)
-    sb.GEOM.update(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128, inter=args.hidden // 2,
-                   experts=args.experts, top_k=8, vocab=32000)
-    sb.PROMPT_TOKENS, sb.DECODE_TOKENS = args.prompt, args.decode
-    g = sb.GEOM
+    g = use_geometry(args)
     model = sb.CACHE / f"olmoe-ab-{g['layers']}l-{g['hidden']}h-{g['experts']}e"
     sb.build_checkpoint(model, skew=False, experts_from=None)
     prompt, forced = sb.workload(g["vocab"], locality=False)

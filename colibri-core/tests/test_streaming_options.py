@@ -18,7 +18,7 @@ from colibri.streaming import stats_line
 
 def test_auto_switches_follow_the_cache():
     auto = Streaming()
-    assert auto.engine_args(partial_cache=True) == ("--prefetch", "on", "--pin", "on", "--io", "auto")
+    assert auto.engine_args(partial_cache=True) == ("--prefetch", "on", "--pin", "duel", "--io", "auto")
     assert auto.engine_args(partial_cache=False) == ("--prefetch", "off", "--pin", "off", "--io", "auto",
                                                      "--preload", "on")
     assert Streaming(preload=False).engine_args(partial_cache=False)[-2:] == ("--io", "auto")
@@ -67,6 +67,9 @@ def test_stats_line_shows_switches_phases_and_lossy_routing():
     assert "io direct, prefetch on, pin on (6 pinned), prefetched 7/10 used, lookahead recall 62%" in line
     assert "time: I/O wait 0.50s, experts 1.00s, attention 0.25s, other 0.25s" in line
     assert line.endswith("LOSSY routing: experts-k=2")
+    duel = stats_line({**stats, "policy": "duel", "duel_lru_layers": 1})
+    assert "prefetch on, policy duel (6 pinned, LRU leads 1 layer), prefetched" in duel
+    assert "policy lru, prefetched" in stats_line({**stats, "pin": False, "policy": "lru"})
     assert "LOSSY" not in stats_line({**stats, "lossy": ""})
 
 

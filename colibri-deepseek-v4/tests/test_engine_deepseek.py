@@ -66,8 +66,9 @@ def resolved(path: Path) -> ResolvedModel:
 
 
 def start(binary: Path, model_dir: Path, *, ctx: int = 128, cap: int = 0) -> Engine:
+    """The engine with the eviction policy launch gives a partial cache by default (set dueling)."""
     argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--slots", "1", "--cap", str(cap),
-            "--threads", "2", *engine_hparams(resolved(model_dir))]
+            "--threads", "2", "--pin", "duel" if cap else "off", *engine_hparams(resolved(model_dir))]
     return Engine(argv)
 
 

@@ -55,9 +55,11 @@ def resolved(path: Path) -> ResolvedModel:
 
 
 def start(binary: Path, model_dir: Path, *, ctx: int = 256, slots: int = 1, cap: int = 0,
-          prefetch: bool = False) -> Engine:
+          prefetch: bool = False, pin: str = "off") -> Engine:
+    # each run its own hot-set sidecar: one saved by an earlier run would seed this one's pins (and its counters)
+    hotset = model_dir.with_name(f"{model_dir.name}.hotset-{cap}-{pin}-{int(prefetch)}")
     argv = [str(binary), "--model", str(model_dir), "--ctx", str(ctx), "--slots", str(slots), "--cap", str(cap),
-            "--threads", "2", *engine_hparams(resolved(model_dir))]
+            "--threads", "2", "--pin", pin, "--hotset", str(hotset), *engine_hparams(resolved(model_dir))]
     return Engine(argv, env={"COLIBRI_PREFETCH": "1" if prefetch else "0"})
 
 
@@ -88,20 +90,22 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
     one_expert = expert_bytes(built.path)
     accesses = None
     misses_by_cap = {}
-    for cap, prefetch in ((1, False), (2, False), (0, False), (2, True)):
-        with start(engine_binary, built.path, cap=cap, prefetch=prefetch) as engine:
+    # Partial caches run set dueling (what launch gives them by default), and LRU once; prefetching (opt-in) adds
+    # the I/O pool's staging buffers and must change no token and no counter.
+    for cap, prefetch, pin in ((1, False, "duel"), (2, False, "duel"), (4, False, "duel"), (2, False, "off"),
+                               (0, False, "off"), (2, True, "duel")):
+        with start(engine_binary, built.path, cap=cap, prefetch=prefetch, pin=pin) as engine:
             cached = n_experts if cap == 0 else cap
-            # prefetching (opt-in) adds the I/O pool's staging buffers and must change no token and no counter
             staging = engine.ready["staging_bytes"] if prefetch else 0
             assert (staging >= one_expert) == prefetch
             assert engine.ready["expert_cache_bytes"] == n_layers * cached * one_expert + staging
             result = engine.generate(prompt, max_tokens=GREEDY_TOKENS, logits=True)
             stats = engine.stats()
-        assert result.tokens == ref_tokens, f"cap {cap}: greedy tokens differ from transformers"
+        assert result.tokens == ref_tokens, f"cap {cap} pin {pin}: greedy tokens differ from transformers"
         assert len(result.logits) == len(prompt)
         got = torch.tensor(result.logits)
         diff = (got - ref_logits).abs().max().item()
-        assert diff < LOGIT_TOL, f"cap {cap}: prompt logits differ by {diff}"
+        assert diff < LOGIT_TOL, f"cap {cap} pin {pin}: prompt logits differ by {diff}"
         assert result.stats["reason"] == "length"
         assert result.stats["generated_tokens"] == GREEDY_TOKENS
         assert result.stats["prefilled_tokens"] == len(prompt)
@@ -120,22 +124,28 @@ def test_matches_transformers_at_every_cache_size(engine_binary, tiny_root, geom
         assert stats["bytes_read"] == [m * one_expert for m in misses]
         assert result.stats["expert_misses"] == sum(misses) and result.stats["expert_hits"] == sum(hits)
         # Per expert (a dashboard's heatmap): the uses add up to the layer's accesses; a partial cache holds exactly
-        # its slots' worth of experts (all filled by now; none pinned: pin is off), a full one every expert used.
+        # its slots' worth of experts (all filled by now; pinned ones only with the hot set), a full one every
+        # expert used.
         assert stats["experts"] == [n_experts] * n_layers and stats["cache_slots"] == [cached] * n_layers
         assert [sum(u) for u in stats["uses"]] == total
+        assert stats["policy"] == ("duel" if pin == "duel" else "lru")
         for uses, resident in zip(stats["uses"], stats["resident"]):
-            assert set(resident) <= {0, 1}
+            assert set(resident) <= ({0, 1, 2} if pin == "duel" else {0, 1})
             if cap == 0:
                 assert resident == [int(u > 0) for u in uses]
             else:
-                assert sum(resident) == cached and all(u > 0 for u, r in zip(uses, resident) if r)
+                assert sum(r > 0 for r in resident) == cached and all(u > 0 for u, r in zip(uses, resident) if r)
+        if pin == "duel":   # each shadow saw every lookup the real cache did
+            for shadow in (stats["shadow_lru_hits"], stats["shadow_hot_hits"]):
+                assert len(shadow) == n_layers and all(h <= t for h, t in zip(shadow, total))
         if cap == 0:
             assert all(m <= n_experts for m in misses), "with every expert cached, each is read at most once"
         if prefetch:
-            assert sum(misses) == misses_by_cap[cap]
-        misses_by_cap[cap] = sum(misses)
-    assert misses_by_cap[1] >= misses_by_cap[2] >= misses_by_cap[0]
-    assert misses_by_cap[1] > misses_by_cap[0]
+            assert sum(misses) == misses_by_cap[cap, pin]
+        misses_by_cap[cap, pin] = sum(misses)
+    assert misses_by_cap[1, "duel"] >= misses_by_cap[2, "off"] >= misses_by_cap[0, "off"]
+    assert misses_by_cap[1, "duel"] >= misses_by_cap[2, "duel"] >= misses_by_cap[0, "off"]
+    assert misses_by_cap[1, "duel"] > misses_by_cap[0, "off"]
 
 
 def test_batched_prefill_is_bit_identical_to_one_token_at_a_time(engine_binary, tiny_root):

@@ -72,6 +72,8 @@ VARIANTS = {
     "cap4_pin": (4, ("--pin", "on", "--repin-every", "4")),
     "cap4_pin_prefetch_direct": (4, ("--pin", "on", "--repin-every", "2", "--prefetch", "on", "--lookahead", "on",
                                      "--io", "direct")),
+    "cap3_duel_prefetch_lookahead": (3, ("--pin", "duel", "--repin-every", "2", "--prefetch", "on", "--lookahead",
+                                         "on")),
     "cap3_row_by_row": (3, ("--moe-union", "off")),
     "all_preloaded": (0, ("--preload", "on")),
     "all_row_by_row_prefetch": (0, ("--moe-union", "off", "--prefetch", "on")),
@@ -112,6 +114,7 @@ def test_streaming_switches_never_change_tokens(binary, model_dir, baseline, nam
         assert stats["io"] == args[args.index("--io") + 1]   # ext4/xfs take O_DIRECT; tmpfs would say buffered
     if "--pin" in args:
         assert stats["pin"] is True and stats["pinned_experts"] > 0
+        assert stats["policy"] == ("duel" if "duel" in args else "hot")
         text = hotset.read_text()
         assert text.startswith("colibri-hotset 1 key ") and text.count("layer ") == GEOMETRY["num_layers"]
     if "--preload" in args:   # every expert read at load: the request itself reads nothing
@@ -124,7 +127,7 @@ def test_streaming_switches_never_change_tokens(binary, model_dir, baseline, nam
 
 
 def test_plan_chosen_cache_with_streaming_defaults(binary, model_dir, baseline):
-    """cap "auto": the RAM plan picks the cache; launch turns prefetch and pinning on when it is partial."""
+    """cap "auto": the RAM plan picks the cache; launch turns prefetch and set dueling on when it is partial."""
     facts = launch.load_facts(resolved(model_dir))
     one_layer = launch.plan_for(facts, 1 << 40, 128, 1, None)
     # RAM for the dense part, the KV and the reserve plus six experts per layer: a partial cache.
@@ -140,14 +143,15 @@ def test_plan_chosen_cache_with_streaming_defaults(binary, model_dir, baseline):
     assert "--prefetch" in spec.argv and spec.argv[spec.argv.index("--prefetch") + 1] == "on"
     assert any("4 prefetch staging buffers (paid by 2 slot(s) per layer) and 4 cache slots per layer, of which "
                "pinning keeps 2" in note for note in spec.plan.notes)
-    assert spec.argv[spec.argv.index("--pin") + 1] == "on"
+    assert spec.argv[spec.argv.index("--pin") + 1] == "duel"
     # streaming: the whole 40-token prompt in one pass, so each expert is read once for all its rows
     assert spec.argv[spec.argv.index("--prefill-chunk") + 1] == "128"
     hot = Path(model_dir) / ".colibri-hotset"
     try:
         tokens, logits, stats = run(launch.start(spec), model_dir)
         assert tokens == baseline[0] and logits == baseline[1]
-        assert stats["prefetch"] is True and stats["pin"] is True
+        assert stats["prefetch"] is True and stats["pin"] is True and stats["policy"] == "duel"
+        assert 0 <= stats["duel_lru_layers"] <= GEOMETRY["num_layers"]
         assert hot.is_file(), "the hot set is saved next to the model by default"
     finally:
         hot.unlink(missing_ok=True)

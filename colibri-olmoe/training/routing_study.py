@@ -6,10 +6,11 @@ Measured on the held-out split of the training corpus (files ``train_nano.py`` n
 * per-layer expert popularity (share of routed slots each expert takes; its spread against the uniform 1/E),
 * token-to-token reuse (the share of token t's top-k experts that token t-1 also chose, per layer),
 * expert-cache hit rate against cache size, simulated on the routing trace in decode order (every token looks up
-  its k experts in its layer's cache): plain LRU, and the engine's hot set (``--pin``: evict the coldest expert by
+  its k experts in its layer's cache): plain LRU, the engine's hot set (``--pin on``: evict the coldest expert by
   routing count decayed per access, pin the hottest in half the slots every 8 tokens; seeded with the counts of
-  the first half of the trace; both scored on the second half),
-* the engine's own counters at the same cache sizes (``--pin off`` and ``--pin on``, no prefetch), generating
+  the first half of the trace), and set dueling between the two (``--pin duel``, the default: shadow caches of
+  both, evict by whichever hit more recently); all scored on the second half,
+* the engine's own counters at the same cache sizes (``--pin off``, ``on`` and ``duel``, no prefetch), generating
   greedily from a held-out prompt: prefill runs in chunks, so the engine's numbers include batched lookups.
 
 Writes ``docs/routing-study.png`` and replaces its own section of ``docs/benchmarks.md`` (between the
@@ -24,8 +25,9 @@ import json
 import os
 import sys
 import tempfile
-from collections import OrderedDict
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -74,46 +76,37 @@ def reuse(trace: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def lru_hits(tokens: np.ndarray, cap: int, pinned: frozenset = frozenset()) -> tuple[int, int]:
-    """(hits, lookups) of one layer's cache: ``pinned`` experts always hit, the other ``cap`` slots are LRU."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = lookups = 0
-    for chosen in tokens:
-        for e in chosen:
-            lookups += 1
-            if e in pinned:
-                hits += 1
-            elif e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = None
-                if len(cache) > cap:
-                    cache.popitem(last=False)
-    return hits, lookups
-
-
 HEAT_DECAY, PIN_MARGIN, REPIN_EVERY = 0.98, 1.25, 8      # expert_hotset.c's constants and --repin-every default
+DUEL_DECAY, DUEL_MARGIN = 0.5 ** (1 / 64), 2.0           # expert_duel.c's
+POLICIES = ("lru", "hot set", "duel")
 
 
-def hot_set_hits(tokens: np.ndarray, cap: int, learned: np.ndarray) -> tuple[int, int]:
-    """(hits, lookups) of one layer's cache under the engine's hot set (expert_hotset.c): heat = routing count decayed
-    by HEAT_DECAY per access, seeded from the ``learned`` shares; a miss evicts the coldest unpinned resident
-    (least recent among equals); every REPIN_EVERY tokens the hottest take half the slots, with hysteresis."""
-    heat = learned / (1 - HEAT_DECAY)
-    last_use = np.zeros(len(heat))
-    resident: set[int] = set()
-    pinned: set[int] = set()
-    budget = cap // 2
-    hits = lookups = tick = 0
+class LayerRouting:
+    """What the engine's hot set keeps per layer whatever the cache holds (expert_hotset.c): heat = routing count
+    decayed by HEAT_DECAY per access, seeded from the ``learned`` shares, the experts pinned into half the slots
+    every REPIN_EVERY tokens (with hysteresis), and each expert's last access."""
 
-    def repin() -> None:
+    def __init__(self, cap: int, learned: np.ndarray):
+        self.heat = learned / (1 - HEAT_DECAY)
+        self.last_use = np.zeros(len(learned))
+        self.pinned: set[int] = set()
+        self.budget = cap // 2
+        self.tick = 0
+        self.repin()
+
+    def access(self, e: int) -> None:
+        self.heat *= HEAT_DECAY
+        self.heat[e] += 1
+        self.tick += 1
+
+    def repin(self) -> None:
+        heat, pinned = self.heat, self.pinned
         while True:
             outside = [e for e in np.argsort(-heat) if e not in pinned and heat[e] > 0]
             if not outside:
                 return
             best = int(outside[0])
-            if len(pinned) < budget:
+            if len(pinned) < self.budget:
                 pinned.add(best)
                 continue
             weak = min(pinned, key=lambda e: heat[e]) if pinned else None
@@ -122,42 +115,73 @@ def hot_set_hits(tokens: np.ndarray, cap: int, learned: np.ndarray) -> tuple[int
             pinned.discard(weak)
             pinned.add(best)
 
-    repin()
+    def victim(self, resident: set[int], by_heat: bool, spare: set[int] = frozenset()) -> int | None:
+        """expert_store.c's cbx_victim: by_heat the coldest unpinned resident (least recent among equals), else the
+        least recent; ``spare`` ones are not candidates."""
+        candidates = [x for x in resident if x not in spare and not (by_heat and x in self.pinned)]
+        if not candidates:
+            return None
+        if by_heat:
+            return min(candidates, key=lambda x: (self.heat[x], self.last_use[x]))
+        return min(candidates, key=lambda x: self.last_use[x])
+
+    def evict(self, resident: set[int], by_heat: bool, spare: set[int] = frozenset()) -> int:
+        """The victim, sparing ``spare`` when any other is a candidate."""
+        v = self.victim(resident, by_heat, spare)
+        return v if v is not None else self.victim(resident, by_heat)
+
+
+def touch(cache: set[int], e: int, cap: int, victim: Callable[[], int]) -> bool:
+    """One lookup of e in a cache of ``cap`` experts; a miss evicts ``victim()`` when full. True on a hit."""
+    if e in cache:
+        return True
+    if len(cache) >= cap:
+        cache.discard(victim())
+    cache.add(e)
+    return False
+
+
+def policy_hits(tokens: np.ndarray, cap: int, learned: np.ndarray, policy: str) -> tuple[int, int]:
+    """(hits, lookups) of one layer's cache under ``policy`` (a POLICIES name), token by token in decode order. The
+    duel (expert_duel.c) runs LRU and the hot set as shadow caches, keeps a decayed lead of their would-be hits,
+    and evicts by the leader's rule, a resident the leader's shadow does not hold first."""
+    layer = LayerRouting(cap, learned)
+    real: set[int] = set()
+    shadows: dict[bool, set[int]] = {False: set(), True: set()}      # by_heat -> shadow (False: LRU)
+    lead, leader_by_heat = 0.0, True
+    hits = lookups = 0
     for t, chosen in enumerate(tokens):
         for e in chosen:
             e = int(e)
-            heat *= HEAT_DECAY
-            heat[e] += 1
+            layer.access(e)
             lookups += 1
-            tick += 1
-            if e in resident:
-                hits += 1
+            if policy == "duel":
+                lru, hot = (touch(shadows[h], e, cap, partial(layer.evict, shadows[h], h)) for h in (False, True))
+                lead = lead * DUEL_DECAY + (int(lru) - int(hot))
+                lead = 0.0 if abs(lead) < 1e-9 else lead
+                leader_by_heat = False if lead > DUEL_MARGIN else True if lead < -DUEL_MARGIN else leader_by_heat
+                by_heat, spare = leader_by_heat, shadows[leader_by_heat]
             else:
-                if len(resident) >= cap:
-                    victim = min((x for x in resident if x not in pinned), key=lambda x: (heat[x], last_use[x]))
-                    resident.discard(victim)
-                resident.add(e)
-            last_use[e] = tick
+                by_heat, spare = policy == "hot set", set()
+            hits += touch(real, e, cap, partial(layer.evict, real, by_heat, spare))
+            layer.last_use[e] = layer.tick
         if (t + 1) % REPIN_EVERY == 0:
-            repin()
+            layer.repin()
     return hits, lookups
 
 
 def simulate(trace: np.ndarray, experts: int, caps: list[int]) -> dict[str, dict[int, float]]:
     half = trace.shape[1] // 2
     learned = popularity(trace[:, :half], experts)
-    out: dict[str, dict[int, float]] = {"lru": {}, "hot set": {}}
-    for cap in caps:
-        h = n = 0
-        for layer in trace[:, half:]:
-            a, b = lru_hits(layer, cap)
-            h, n = h + a, n + b
-        out["lru"][cap] = h / n
-        h = n = 0
-        for li, layer in enumerate(trace[:, half:]):
-            a, b = hot_set_hits(layer, cap, learned[li])
-            h, n = h + a, n + b
-        out["hot set"][cap] = h / n
+    out: dict[str, dict[int, float]] = {policy: {} for policy in POLICIES}
+    for policy in POLICIES:
+        # LRU keeps no counts: its replay is the same whatever it was seeded with
+        for cap in caps:
+            h = n = 0
+            for li, layer in enumerate(trace[:, half:]):
+                a, b = policy_hits(layer, cap, learned[li], policy)
+                h, n = h + a, n + b
+            out[policy][cap] = h / n
     return out
 
 
@@ -170,18 +194,19 @@ def engine_hit_rates(model_dir: Path, prompt: list[int], caps: list[int], tokens
 
     resolved = ResolvedModel(model_dir, "olmoe", "olmoe", read_config(model_dir))
     binary = build_family("olmoe")
-    out: dict[str, dict[int, float]] = {"engine lru": {}, "engine hot set": {}}
+    names = {"off": "engine lru", "on": "engine hot set", "duel": "engine duel"}
+    out: dict[str, dict[int, float]] = {name: {} for name in names.values()}
     with tempfile.TemporaryDirectory() as tmp:
-        for pin in ("off", "on"):
+        for pin in names:
             for cap in caps:
                 argv = [str(binary), "--model", str(model_dir), "--ctx", str(len(prompt) + tokens + 8),
                         "--slots", "1", "--cap", str(cap), "--threads", "2", "--prefetch", "off", "--pin", pin,
-                        "--hotset", str(Path(tmp) / f"hot-{cap}"), *engine_hparams(resolved)]
+                        "--hotset", str(Path(tmp) / f"hot-{pin}-{cap}"), *engine_hparams(resolved)]
                 with Engine(argv, env={"COLIBRI_PREFETCH": "0"}) as engine:
                     engine.generate(prompt, max_tokens=tokens)
                     stats = engine.stats()
                 hits, misses = sum(stats["hits"]), sum(stats["misses"])
-                out[f"engine {'hot set' if pin == 'on' else 'lru'}"][cap] = hits / (hits + misses)
+                out[names[pin]][cap] = hits / (hits + misses)
     return out
 
 
@@ -197,7 +222,8 @@ def plot(pop: np.ndarray, curves: dict[str, dict[int, float]], path: Path) -> No
     a.set_ylabel("layer")
     a.set_title("expert popularity (x uniform share)")
     fig.colorbar(image, ax=a)
-    styles = {"lru": "o-", "hot set": "s-", "engine lru": "x--", "engine hot set": "+--"}
+    styles = {"lru": "o-", "hot set": "s-", "duel": "^-", "engine lru": "x--", "engine hot set": "+--",
+              "engine duel": "v--"}
     for name, curve in curves.items():
         caps = sorted(curve)
         b.plot(caps, [100 * curve[c] for c in caps], styles.get(name, "o-"), label=name)
@@ -219,8 +245,9 @@ def markdown(meta: dict, pop: np.ndarray, reuse_by_layer: np.ndarray, curves: di
     lines = [BEGIN, "## Routing study: colibri-nano on held-out text", "",
              f"`nox -s routing_study` ({meta['tokens']} held-out tokens of the Python standard library that "
              f"colibri-nano never trained on; {meta['layers']} MoE layers x {experts} experts, top-{meta['k']}). "
-             "Simulated rates replay transformers' routing token by token (hot set: the engine's `--pin` policy, "
-             "seeded with the first half's counts; both scored on the second half); engine "
+             "Simulated rates replay transformers' routing token by token (hot set: the engine's `--pin on` policy, "
+             "seeded with the first half's counts; duel: `--pin duel`, the default, evicting by whichever of the "
+             "two shadow caches hit more over the recent lookups; all scored on the second half); engine "
              f"rates are `hits / (hits + misses)` of the C engine generating {meta['engine_tokens']} greedy tokens "
              f"from a {meta['prompt_tokens']}-token held-out prompt, no prefetch.", "",
              "| layer | top expert share | top-4 share | uniform share | normalised entropy | reuse t-1 -> t |",

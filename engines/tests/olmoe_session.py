@@ -160,10 +160,13 @@ def main() -> int:
         rc = s.proc.wait(timeout=300)
         check(rc == 0, f"exit code {rc}")
 
-        # Every expert read at load on the I/O threads, then the hot set with lookahead prefetch: same tokens.
+        # Every expert read at load on the I/O threads, then the hot set with lookahead prefetch, then set dueling
+        # (the default of a partial cache): same tokens.
         for extra in (["--cap", "0", "--preload", "on"],
                       ["--cap", "2", "--pin", "on", "--repin-every", "1", "--prefetch", "on", "--lookahead", "on",
-                       "--io-stages", "2", "--hotset", os.path.join(tmp, "hotset")]):
+                       "--io-stages", "2", "--hotset", os.path.join(tmp, "hotset")],
+                      ["--cap", "3", "--pin", "duel", "--repin-every", "1", "--prefetch", "on",
+                       "--hotset", os.path.join(tmp, "hotset-duel")]):
             s = Session([binary, "--model", model_dir, "--ctx", "64", "--threads", "2", *extra,
                          *engine_hparams(model)])
             ready = s.event()

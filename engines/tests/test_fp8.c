@@ -17,6 +17,7 @@
 
 #define TEST_SEED 0x9e3779b97f4a7c15ULL
 #include "check.h"
+#include "fixture.h"
 static float rnd_unit(void) { return (float)((double)(rnd() >> 11) / 9007199254740992.0) * 2.0f - 1.0f; }
 /* Any e4m3 byte but the two NaNs (real checkpoints hold none). */
 static uint8_t rnd_e4m3(void) {
@@ -149,50 +150,7 @@ static void test_kernels(void) {
     cb_threads_shutdown();
 }
 
-/* ---- checkpoints ---- */
-
-typedef struct {
-    const char *name, *dtype;
-    int ndim;
-    int64_t shape[2];
-    const void *data;
-    size_t nbytes;
-} fx_tensor;
-
-static char tmpdir[256];
-
-static size_t write_shard(const char *file, const fx_tensor *t, int count) {
-    static char header[65536];
-    size_t hl = 0, off = 0;
-    hl += (size_t)snprintf(header + hl, sizeof header - hl, "{");
-    for (int i = 0; i < count; i++) {
-        hl += (size_t)snprintf(header + hl, sizeof header - hl, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[",
-                               i ? "," : "", t[i].name, t[i].dtype);
-        for (int d = 0; d < t[i].ndim; d++)
-            hl += (size_t)snprintf(header + hl, sizeof header - hl, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
-        hl += (size_t)snprintf(header + hl, sizeof header - hl, "],\"data_offsets\":[%zu,%zu]}", off,
-                               off + t[i].nbytes);
-        off += t[i].nbytes;
-    }
-    hl += (size_t)snprintf(header + hl, sizeof header - hl, "}");
-    while (hl % 8) header[hl++] = ' ';
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s", tmpdir, file);
-    FILE *f = fopen(path, "wb");
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)hl >> (8 * i));
-    fwrite(len, 1, 8, f);
-    fwrite(header, 1, hl, f);
-    for (int i = 0; i < count; i++) fwrite(t[i].data, 1, t[i].nbytes, f);
-    fclose(f);
-    return 8 + hl + off;
-}
-
-static void clear_tmp(void) {
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -f %s/*", tmpdir);
-    CHECK(system(cmd) == 0, "rm");
-}
+/* ---- checkpoints (fixture.h) ---- */
 
 static void test_load_linear(void) {
     clear_tmp();

@@ -33,7 +33,9 @@ class Streaming:
 
     ``None`` for prefetch/pin means auto: on when the cache cannot hold every expert (the model does not fit),
     off otherwise (with everything resident there is nothing to read ahead or protect); ``None`` for preload is
-    the reverse (a cache that holds every expert is filled at start)."""
+    the reverse (a cache that holds every expert is filled at start). The eviction policy follows pin: auto duels
+    the learned hot set against LRU (``--pin duel``: each layer evicts by whichever scored better recently),
+    ``True`` is the hot set alone, ``False`` LRU alone."""
 
     prefetch: bool | None = None
     pin: bool | None = None
@@ -66,7 +68,8 @@ class Streaming:
         def switch(value: bool | None) -> str:
             return "on" if (partial_cache if value is None else value) else "off"
 
-        args = ["--prefetch", switch(self.prefetch), "--pin", switch(self.pin), "--io", self.io]
+        pin = ("duel" if partial_cache else "off") if self.pin is None else switch(self.pin)
+        args = ["--prefetch", switch(self.prefetch), "--pin", pin, "--io", self.io]
         if self.lookahead:
             args += ["--lookahead", "on"]
         if (not partial_cache) if self.preload is None else self.preload:   # auto: when every expert fits

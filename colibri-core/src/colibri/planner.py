@@ -167,4 +167,5 @@ def streaming_note(plan: ResourcePlan, top_k: int) -> str:
             else f"{plan.cache_slots_per_layer - slots} slot(s) per layer")
     return (f"the cache is partial, so coli run/chat/serve stream by default: {stages} prefetch staging buffers "
             f"(paid by {paid}) and {slots} cache slots per layer, of which pinning keeps {slots // 2} "
-            f"({100 * (slots // 2) / slots:.0f}%) for the hottest experts (--no-prefetch / --no-pin)")
+            f"({100 * (slots // 2) / slots:.0f}%) for the hottest experts while the learned hot set leads LRU in "
+            f"set dueling (--no-prefetch; --pin: the hot set alone, --no-pin: LRU alone)")

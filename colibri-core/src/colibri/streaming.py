@@ -87,13 +87,27 @@ def stats_line(stats: dict[str, Any], accept: dict[str, Any] | None = None) -> s
     return " · ".join(parts)
 
 
+def policy_text(stats: dict[str, Any]) -> str:
+    """"policy duel (6 pinned, LRU leads 1 layer)", "policy lru", ...; "pin on (6 pinned)" from an engine that
+    names no policy."""
+    pinned = f"{stats.get('pinned_experts', 0)} pinned"
+    policy = stats.get("policy")
+    if not isinstance(policy, str):
+        return "pin " + (f"on ({pinned})" if stats.get("pin") else "off")
+    details = [pinned] if stats.get("pin") else []
+    if isinstance(stats.get("duel_lru_layers"), int):
+        layers = stats["duel_lru_layers"]
+        details.append(f"LRU leads {layers} layer{'' if layers == 1 else 's'}")
+    return f"policy {policy}" + (f" ({', '.join(details)})" if details else "")
+
+
 def streaming_parts(stats: dict[str, Any]) -> list[str]:
     """The streaming switches in effect, where the time went, and any lossy routing (always shown)."""
     parts = []
     if "io" in stats:
         switches = [f"io {stats['io']}", "prefetch " + ("on" if stats.get("prefetch") else "off")
                     + (" + lookahead" if stats.get("lookahead") else ""),
-                    "pin " + (f"on ({stats.get('pinned_experts', 0)} pinned)" if stats.get("pin") else "off")]
+                    policy_text(stats)]
         if stats.get("prefetch_issued"):
             switches.append(f"prefetched {stats.get('prefetch_used', 0)}/{stats['prefetch_issued']} used")
         if isinstance(stats.get("lookahead_recall"), (int, float)):

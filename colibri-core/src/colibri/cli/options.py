@@ -51,9 +51,10 @@ PreloadOption = typer.Option(
 )
 PinOption = typer.Option(
     None, "--pin/--no-pin",
-    help="Learned hot set: evict the coldest expert (routing count decayed over the last few tokens, seeded from "
-         "counts saved next to the model) instead of the least recent, and pin the hottest in half the cache "
-         "(default: on when the expert cache cannot hold every expert).",
+    help="Eviction policy. --pin: the learned hot set alone (evict the coldest expert, routing count decayed over "
+         "the last few tokens and seeded from counts saved next to the model, and pin the hottest in half the "
+         "cache); --no-pin: LRU alone. Default, when the expert cache cannot hold every expert: set dueling, each "
+         "layer evicting by whichever of the two would have hit more over its recent lookups.",
 )
 IoOption = typer.Option(
     "auto", "--io", metavar="auto|direct|buffered",

@@ -193,6 +193,8 @@ static void put_streaming(cb_buf *b) {
                   o->prefetch && o->lookahead ? "true" : "false", o->pin ? "true" : "false",
                   cb_experts_io_name(),
                   o->moe_union ? "true" : "false", cb_experts_pinned_total());
+    cb_buf_printf(b, ",\"policy\":\"%s\"", cb_experts_policy_name());
+    if (o->pin == CB_PIN_DUEL) cb_buf_printf(b, ",\"duel_lru_layers\":%d", cb_experts_duel_lru_layers());
     if (o->experts_k > 0 || o->experts_top_p > 0) {
         cb_buf_puts(b, ",\"lossy\":\"");
         if (o->experts_k > 0) cb_buf_printf(b, "experts-k=%d", o->experts_k);
@@ -854,7 +856,13 @@ static int parse_args(engine_t *E, int argc, char **argv, const char **model_dir
         else if (!strcmp(a, "--threads")) rc = parse_int_arg(a, v, 0, 4096, &E->threads, err);
         else if (!strcmp(a, "--prefill-chunk")) rc = parse_int_arg(a, v, 1, 4096, &E->prefill_chunk, err);
         else if (!strcmp(a, "--prefetch")) rc = parse_switch(a, v, &E->stream.prefetch, err);
-        else if (!strcmp(a, "--pin")) rc = parse_switch(a, v, &E->stream.pin, err);
+        else if (!strcmp(a, "--pin")) {
+            if (v && !strcmp(v, "duel")) E->stream.pin = CB_PIN_DUEL;
+            else if (parse_switch(a, v, &E->stream.pin, err)) {
+                snprintf(err, ERRLEN, "--pin needs on, off or duel, got %s", v ? v : "nothing");
+                return -1;
+            }
+        }
         else if (!strcmp(a, "--lookahead")) rc = parse_switch(a, v, &E->stream.lookahead, err);
         else if (!strcmp(a, "--preload")) rc = parse_switch(a, v, &E->stream.preload, err);
         else if (!strcmp(a, "--moe-union")) rc = parse_switch(a, v, &E->stream.moe_union, err);

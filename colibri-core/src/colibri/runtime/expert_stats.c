@@ -28,4 +28,14 @@ void cb_experts_put_maps(cb_buf *b, cb_expert_layer *const *layers, int n_layers
         }
     }
     cb_buf_puts(b, "]");
+    int dueling = 0;
+    for (int i = 0; i < n_layers; i++) dueling |= layers[i]->duel.keep != NULL;
+    if (!dueling) return;
+    /* What each policy alone would have hit on the same lookups: set dueling's shadows, per layer. */
+    for (int p = 0; p < CB_DUEL_POLICIES; p++) {
+        cb_buf_puts(b, p == CB_DUEL_LRU ? ",\"shadow_lru_hits\":[" : ",\"shadow_hot_hits\":[");
+        for (int i = 0; i < n_layers; i++)
+            cb_buf_printf(b, "%s%llu", i ? "," : "", (unsigned long long)layers[i]->duel.hits[p]);
+        cb_buf_puts(b, "]");
+    }
 }

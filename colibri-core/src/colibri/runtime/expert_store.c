@@ -75,6 +75,12 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
     L->pin_budget = cb_experts_options()->pin && L->cap < n_experts ? L->cap / 2 : 0;
     for (int e = 0; e < n_experts; e++) L->slot_of[e] = -1;
     for (int s = 0; s < L->cap; s++) L->expert_in[s] = -1;
+    /* A cache that holds every expert never evicts: nothing to duel over. */
+    if (cb_experts_options()->pin == CB_PIN_DUEL && L->cap < n_experts && cbx_duel_init(L)) {
+        snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
+        cb_experts_free(L);
+        return -1;
+    }
     for (int m = 0; m < 3; m++)
         if (!(L->name_fmt[m] = strdup(names[m]))) {
             snprintf(err, errlen, "out of memory for the expert store of layer %d", layer);
@@ -155,6 +161,7 @@ void cb_experts_free(cb_expert_layer *L) {
     free(L->heat);
     free(L->pinned);
     free(L->predicted);
+    cbx_duel_free(L);
     for (int m = 0; m < 3; m++) free(L->name_fmt[m]);
     memset(L, 0, sizeof *L);
 }
@@ -173,22 +180,42 @@ static void trace_access(const cb_expert_layer *L, int e) {
     if (trace) fprintf(trace, "%d %d\n", L->layer, e);
 }
 
-/* Where a missing expert goes: an empty slot, else the coldest unpinned resident with the hot set, the least
- * recently used unpinned one without it (and among equally hot ones). Pinning never takes every slot. */
-static int victim_slot(const cb_expert_layer *L) {
+/* The real cache and both of set dueling's shadows evict by this one rule. Pins count only by heat: LRU alone
+ * has none (pinning never takes every slot). */
+int cbx_victim(const cb_expert_layer *L, const int *tag, const uint64_t *use, int n, int by_heat,
+               const unsigned char *spare) {
     int s = -1;
-    for (int i = 0; i < L->cap; i++) {
-        int x = L->expert_in[i];
+    for (int i = 0; i < n; i++) {
+        int x = tag[i];
         if (x < 0) return i;
-        if (L->pinned[x]) continue;
+        if ((spare && spare[i]) || (by_heat && L->pinned[x])) continue;
         if (s < 0) { s = i; continue; }
-        if (cb_experts_options()->pin) {
-            double hx = L->heat[x], hs = L->heat[L->expert_in[s]];
+        if (by_heat) {
+            double hx = L->heat[x], hs = L->heat[tag[s]];
             if (hx != hs) { if (hx < hs) s = i; continue; }
         }
-        if (L->last_use[i] < L->last_use[s]) s = i;
+        if (use[i] < use[s]) s = i;
     }
+    return s;
+}
+
+/* Where a missing expert goes: an empty slot, else the victim of the policy in effect. */
+static int victim_slot(cb_expert_layer *L) {
+    if (L->duel.keep) return cbx_duel_victim(L);
+    int s = cbx_victim(L, L->expert_in, L->last_use, L->cap, cb_experts_options()->pin != CB_PIN_OFF, NULL);
     return s < 0 ? 0 : s;
+}
+
+const char *cb_experts_policy_name(void) {
+    int pin = cb_experts_options()->pin;
+    return pin == CB_PIN_DUEL ? "duel" : pin ? "hot" : "lru";
+}
+
+int cb_experts_duel_lru_layers(void) {
+    int n = 0;
+    for (int i = 0; i < cbx_n_live; i++)
+        n += cbx_live[i]->duel.keep && cb_experts_duel_leader(cbx_live[i]) == CB_DUEL_LRU;
+    return n;
 }
 
 /* The matrices of expert e from its bytes at base, in the kind its location says. */
@@ -231,6 +258,8 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         return -1;
     }
     cb_experts_note_use(L, e);
+    uint64_t now = ++L->tick;
+    if (L->duel.keep) cbx_duel_observe(L, e, now);
     int s = L->slot_of[e];
     if (s >= 0) {
         L->count.hits++;
@@ -255,7 +284,7 @@ int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, s
         L->expert_in[s] = e;
         L->slot_of[e] = s;
     }
-    L->last_use[s] = ++L->tick;
+    L->last_use[s] = now;
     expert_view(L, e, (const char *)L->buf[s] + L->data_off[s], view);
     return 0;
 }

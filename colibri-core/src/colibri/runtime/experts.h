@@ -23,6 +23,11 @@
  * pass; long-run counts alone keep experts the current text no longer routes to. The decayed count weighs both;
  * on the skewed benchmark model and on colibri-nano's routing of real code it hits 3-7 points more often than
  * LRU at the same cache size (docs/benchmarks.md).
+ *
+ * Set dueling (pin = CB_PIN_DUEL, the default of a partial cache): the hot set's weak spot is a greedy loop whose
+ * experts exactly fill a small cache, which LRU keeps and pins of earlier text break. Each layer runs LRU and the
+ * hot set as shadow tag directories of its own capacity (expert_duel.c), and a miss evicts by whichever shadow hit
+ * more over the recent lookups, so each layer gets the better of the two on the workload it sees.
  */
 #ifndef COLIBRI_EXPERTS_H
 #define COLIBRI_EXPERTS_H
@@ -75,6 +80,9 @@ typedef struct {
     uint64_t hits, misses, bytes_read, reads;
 } cb_expert_counters;
 
+/* Eviction policy (the pin option): LRU, the learned hot set, or set dueling between the two. */
+enum { CB_PIN_OFF = 0, CB_PIN_ON = 1, CB_PIN_DUEL = 2 };
+
 /* Streaming options. The process (engine.c) parses them from its arguments into its own cb_stream_opts and passes
  * them in with cb_experts_configure before the family loads; blocks and the store read them back through
  * cb_experts_options. Nothing parses arguments into this module. */
@@ -83,7 +91,8 @@ enum { CB_IO_AUTO = 0, CB_IO_DIRECT = 1, CB_IO_BUFFERED = 2 };
 typedef struct {
     int prefetch;              /* I/O pool: a block's misses load while its resident experts compute */
     int lookahead;             /* with prefetch: also read the next layer's predicted experts ahead */
-    int pin;                   /* learned hot set: pin the most-routed experts, persist counts */
+    int pin;                   /* CB_PIN_*: learned hot set (pin the most-routed experts, persist counts), alone
+                                * or dueling with LRU; any non-zero value runs the hot set's bookkeeping */
     int io_mode;               /* CB_IO_*: auto = direct when the cache cannot hold every expert and the disk allows */
     int moe_union;             /* 1: each expert read once per call and applied to all its rows; 0: row by row */
     int experts_k;             /* lossy: keep at most this many experts per row (0 = the model's top_k) */
@@ -112,6 +121,18 @@ extern cb_profile cb_prof;
 
 double cb_now_s(void);
 
+/* Set dueling's shadows of one layer (pin = CB_PIN_DUEL and a partial cache; all NULL otherwise). */
+enum { CB_DUEL_LRU = 0, CB_DUEL_HOT = 1, CB_DUEL_POLICIES = 2 };
+typedef struct {
+    int *tag[CB_DUEL_POLICIES];        /* shadow slot -> expert LRU / the hot set alone would hold there, -1 empty */
+    uint64_t *use[CB_DUEL_POLICIES];   /* shadow slot -> tick of its expert's last access */
+    unsigned char *keep;               /* real slot -> 1 when the leader's shadow holds it (scratch of a miss) */
+    double lead;                       /* decayed (LRU's would-be hits - the hot set's) over the recent lookups */
+    uint64_t hits[CB_DUEL_POLICIES];   /* each shadow's would-be hits since init */
+    int leader;                        /* CB_DUEL_LRU or CB_DUEL_HOT: whose rule a real miss follows */
+    uint64_t switches;                 /* times the lead changed hands */
+} cb_expert_duel;
+
 typedef struct {
     int layer, n_experts, cap, hidden, inter;
     const cb_st_index *idx;
@@ -134,6 +155,7 @@ typedef struct {
     unsigned char *predicted;  /* expert -> 1 when the previous layer's lookahead predicted it */
     int has_prediction;
     char *name_fmt[3];         /* the gate/up/down name formats it was located with (an expert worker locates the same) */
+    cb_expert_duel duel;
 } cb_expert_layer;
 
 /* Locate every expert of one layer. names[m] is a printf format taking (layer, expert) for matrix m in
@@ -142,8 +164,9 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
                     int inter, const char *const names[3], char *err, size_t errlen);
 void cb_experts_free(cb_expert_layer *L);
 
-/* Make expert e resident (reading it on a miss, evicting the LRU slot, or the coldest with the hot set) and return its matrices. The view
- * stays valid until the next cb_experts_get on this layer. */
+/* Make expert e resident (reading it on a miss, evicting the LRU slot, the coldest with the hot set, or by the
+ * leading shadow's rule when dueling) and return its matrices. The view stays valid until the next cb_experts_get
+ * on this layer. */
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
 /* Count one routing of expert e (route count, uses, heat) without making it resident: cb_experts_get does it for
@@ -184,6 +207,14 @@ const char *cb_experts_io_name(void);
  * mmap does, instead of slowing its first requests. Counted in reads and bytes_read (*bytes: this call's), never as
  * hits or misses. Partial caches are left to stream. Returns 0, or -1 with the failed read's message. */
 int cb_experts_preload(uint64_t *bytes, char *err, size_t errlen);
+
+/* The policy in effect ("lru", "hot", "duel": what the stats carry), and how many layers LRU leads when dueling. */
+const char *cb_experts_policy_name(void);
+int cb_experts_duel_lru_layers(void);
+/* Which shadow leads layer L now (CB_DUEL_LRU or CB_DUEL_HOT; the hot set on a tie), and the bytes its dueling
+ * bookkeeping holds: a function of the slot count alone, 0 when the layer does not duel. */
+int cb_experts_duel_leader(const cb_expert_layer *L);
+size_t cb_experts_duel_bytes(const cb_expert_layer *L);
 
 /* Bytes of the cache at full occupancy. */
 size_t cb_experts_cache_bytes(const cb_expert_layer *L);

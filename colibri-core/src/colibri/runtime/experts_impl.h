@@ -4,6 +4,7 @@
  *   expert_read.c     locating an expert's pieces, planning its reads, the per-shard descriptors and the readers
  *   expert_pool.c     the I/O pool that stages reads ahead of the compute
  *   expert_hotset.c   the learned hot set (heat, pins) and its sidecar file
+ *   expert_duel.c     set dueling: LRU's and the hot set's shadow tags, and the victim of the leader
  *   expert_preload.c  reading every expert of a cache that holds them all, at load
  */
 #ifndef COLIBRI_EXPERTS_IMPL_H
@@ -22,6 +23,11 @@ void *cbx_alloc_buf(void);
 extern cb_expert_layer **cbx_live;   /* every initialised layer (re-pinning, the sidecar, preload) */
 extern int cbx_n_live;
 cb_expert_layer *cbx_layer_no(int layer);
+/* The slot among n (tag: slot -> expert, -1 empty; use: slot -> last access tick) a miss evicts: an empty one,
+ * else by_heat the coldest unpinned expert (least recently used among equals), else the least recently used;
+ * slots with spare[s] set are not candidates (spare may be NULL). -1 when no slot is a candidate. */
+int cbx_victim(const cb_expert_layer *L, const int *tag, const uint64_t *use, int n, int by_heat,
+               const unsigned char *spare);
 
 /* ---- expert_read.c ---- */
 /* Locate a native expert's three matrices (and their scale tensors for fp8 / fp4). 0, or -1 naming the tensor. */
@@ -47,5 +53,13 @@ int cbx_take_staged(cb_expert_layer *L, int e, int s, char *err, size_t errlen);
 /* ---- expert_hotset.c ---- */
 /* One more access of e: its heat grows (hot set only). */
 void cbx_warm_up(cb_expert_layer *L, int e);
+
+/* ---- expert_duel.c ---- */
+int cbx_duel_init(cb_expert_layer *L);   /* 0, or -1 out of memory (cbx_duel_free cleans up either way) */
+void cbx_duel_free(cb_expert_layer *L);
+/* Feed one lookup of e (at tick now) to both shadows and update the lead. */
+void cbx_duel_observe(cb_expert_layer *L, int e, uint64_t now);
+/* The real slot a miss evicts: by the leader's rule, a resident its shadow no longer holds first. */
+int cbx_duel_victim(cb_expert_layer *L);
 
 #endif

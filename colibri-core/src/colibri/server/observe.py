@@ -29,7 +29,7 @@ STATS_TIMEOUT_S = 30.0
 PROFILE_KEEP = 256
 PHASES = ("io_wait_s", "expert_s", "attention_s", "other_s")
 TOTALS = ("expert_hits", "expert_misses", "hit_rate", "expert_bytes_read", "expert_reads", "prefilled_tokens",
-          "generated_tokens", "rss_bytes", "pin", "prefetch", "io", "lossy")
+          "generated_tokens", "rss_bytes", "pin", "policy", "prefetch", "io", "lossy")
 PER_LAYER = ("hits", "misses", "bytes_read", "reads", "experts", "cache_slots", "uses", "resident")
 
 
