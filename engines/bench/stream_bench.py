@@ -817,14 +817,15 @@ def concurrency_lines(results: dict) -> list[str]:
     runs = [r for r in results["runs"] if r.get("scenario") == "concurrency"]
     if not runs:
         return []
-    lines = ["", f"Concurrency under the cap (1/3 of the container; one engine of {max(STREAMS)} slots for every stream "
-             "count): streams started together, each a different 64-token prompt and 32 teacher-forced decode "
-             "steps; aggregate decode tok/s = tokens after the last stream's first one over the wall time from "
-             "then to the last token (colibri), or every sequence's decode steps over the batched decode loop's "
+    lines = ["", "Concurrency under the cap (1/3 of the container; one engine of "
+             f"{max(STREAMS)} slots for every stream count): streams started together, each a different "
+             f"{PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} teacher-forced decode steps; aggregate decode "
+             "tok/s = tokens after the last stream's first one over the wall time from then to the last token "
+             "(colibri), or every sequence's decode steps over the batched decode loop's "
              f"time (llama.cpp's parallel sequences). Medians of {ROUNDS}; load average and other processes' CPU "
              "share of the median run.", "",
-             "| bits | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | load avg | others' CPU "
-             "| llama.cpp aggregate tok/s | x one stream | colibri / llama.cpp |",
+             "| bits | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | load avg "
+             "| others' CPU | llama.cpp aggregate tok/s | x one stream | colibri / llama.cpp |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for precision in SELECTED_PRECISIONS:
         one_c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=1)
@@ -832,14 +833,17 @@ def concurrency_lines(results: dict) -> list[str]:
         for n in STREAMS:
             c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=n) or {}
             ll = median_by(runs, "aggregate_tps", engine="llama.cpp", precision=precision, streams=n) or {}
+            if not c and not ll:
+                continue
             d = c.get("decode", {})
             ct, lt = c.get("aggregate_tps"), ll.get("aggregate_tps")
             read = f"{d['bytes_read'] / max(1, d['steps']) / 1e6:.0f} MB" if d.get("steps") else "–"
             lines.append(
                 f"| {precision} | {n} | {fmt(ct)} | {fmt(ct / one_c['aggregate_tps'] if ct and one_c else None)} | "
                 f"{100 * float(d.get('hit_rate', 0)):.0f}% | {read} | {fmt(c.get('load_average'), '.1f')} | "
-                f"{fmt(100 * c['other_cpu_share'] if 'other_cpu_share' in c else None, '.0f')}% | {fmt(lt)} | "
-                f"{fmt(lt / one_l['aggregate_tps'] if lt and one_l else None)} | {fmt(ct / lt if ct and lt else None)} |")
+                f"{fmt(100 * c['other_cpu_share'] if 'other_cpu_share' in c else None, '.0f')} % | {fmt(lt)} | "
+                f"{fmt(lt / one_l['aggregate_tps'] if lt and one_l else None)} | "
+                f"{fmt(ct / lt if ct and lt else None)} |")
     return lines
 
 
@@ -987,8 +991,8 @@ def write_markdown(results: dict, rows: list[dict]) -> None:
                      f"{ms('expert_s')} | {ms('attention_s')} | {ms('other_s')} |")
     lines += concurrency_lines(results)
     lines += ["", "Targets: capped decode >= 2x llama.cpp and prefill >= 1x; in-RAM decode >= 0.8x; capped decode >= "
-              "70% of the disk bound; on olmoe-skew, the hot set + prefetch beat plain LRU; aggregate decode at 4 streams >= 2x "
-              "one stream under the cap.", "",
+              "70% of the disk bound; on olmoe-skew, the hot set + prefetch beat plain LRU; aggregate decode at 4 "
+              "streams >= 2x one stream under the cap.", "",
               "![decode tok/s, colibri vs llama.cpp](stream-bench.png)", ""]
     write_section(ROOT / "docs" / "benchmarks.md", "stream-bench", "\n".join(lines[2:]))
 
