@@ -86,7 +86,7 @@ def test_systemone_matches_transformers_at_every_cache_size(family, cap):
 
     def start_engine():
         engine = launch.open_engine(resolved, ctx=CTX, slots=2, cap=cap, threads=2)
-        assert engine.ready["abilities"] == ["chat", "decide", "kv_files"]
+        assert engine.ready["abilities"][:3] == ["chat", "decide", "kv_files"]   # + batched_decode where batched
         return engine
 
     server = start_server(resolved.path, ctx=CTX, slots=2, factory=start_engine,

@@ -160,6 +160,23 @@ def test_recurrent_state_is_reused_only_where_it_is_exact(engine_binary, checkpo
         assert fresh.generate(branch, max_tokens=8).tokens == other.tokens
 
 
+def test_slots_decoding_together_give_the_tokens_each_gives_alone(engine_binary, checkpoint):
+    """Two slots decoding in the same rounds run as one batched pass, each on its own KDA state and MLA cache."""
+    a, b = [5, 17, 99, 300, 41, 8, 250], [9, 200, 31, 77]
+    with start(engine_binary, checkpoint, slots=2, cap=1) as engine:
+        assert "batched_decode" in engine.ready["abilities"]
+        alone = []
+        for prompt, n in ((a, 10), (b, 14)):
+            engine.reset(0)
+            alone.append(engine.generate(prompt, slot=0, max_tokens=n).tokens)
+        engine.reset(0)
+        with engine.together():
+            reqs = [engine.submit(a, slot=0, max_tokens=10), engine.submit(b, slot=1, max_tokens=14)]
+        results = [r.wait() for r in reqs]
+    assert [r.tokens for r in results] == alone
+    assert results[0].stats["batched_steps"] == results[0].stats["decode"]["steps"] == 9
+
+
 def test_multi_turn_chat_reuses_state_and_matches_a_fresh_run(engine_binary, checkpoint):
     tok = load_tokenizer_dir(checkpoint, read_config(checkpoint))
     assert tok.has_chat_template

@@ -12,7 +12,10 @@ Stages, each cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/b
    memory child group under this process's own group, page cache dropped first. The same 64-token prompt, then
    32 teacher-forced decode steps (the protocol's ``forced`` field; greedy decode of a random model loops on two
    tokens and flatters any cache). llama.cpp runs with readahead at 128 KiB and at the disk's setting; the better
-   is the peer.
+   is the peer. (c) Concurrency under the same cap: 1, 2 and 4 streams started together on one engine of 4 slots
+   (colibri decodes them in one batched pass per token, each expert any stream chose read once per layer) against
+   llama.cpp's parallel sequences (one ``llama_decode`` of one token per sequence, as llama-server's slots do),
+   aggregate decode tok/s over wall time, with the load average and other processes' CPU share of each run.
 
 Writes ``bench-results/stream_bench.json`` and ``.png`` and ``docs/benchmarks.md``. Figures on a loaded 2-core
 VM are noisy; the report says so rather than smoothing them.
@@ -47,7 +50,9 @@ MODELS = tuple(os.environ.get("COLIBRI_BENCH_MODELS", "olmoe-synth,olmoe-skew").
 SELECTED_PRECISIONS = tuple(os.environ.get("COLIBRI_BENCH_PRECISIONS", "int8").split(","))
 # COLIBRI_BENCH_SCENARIOS=capped re-measures one scenario; COLIBRI_BENCH_MERGE=1 then replaces only the runs it
 # made in bench-results/stream_bench.json and keeps the others (a partial re-run after a fix).
-SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "in_ram,capped").split(","))
+SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "in_ram,capped,concurrency").split(","))
+# The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer).
+STREAMS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_STREAMS", "1,2,4").split(","))
 MERGE = os.environ.get("COLIBRI_BENCH_MERGE") == "1"
 # Under the cap every colibri policy runs this many times, the policies interleaved round by round, and the report
 # takes each one's median: one 32-token run on a shared virtual machine can be 15% off either way.
@@ -516,6 +521,141 @@ def run_llama(gguf: Path, group: CappedGroup | None, locality: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# llama.cpp's parallel slots through llama-cpp-python's low-level bindings: its high-level Llama object holds one
+# sequence, so the runner drives llama_decode itself with a batch of one token per sequence (seq_id i at its own
+# position), the way llama-server's --parallel slots decode. Each prompt is prefilled by itself first, as colibri's
+# slots are; every decode row asks for its logits, as each of colibri's does.
+LLAMA_PARALLEL_RUNNER = """
+import ctypes, json, sys, time
+import llama_cpp as L
+streams = json.loads(sys.argv[2])
+n = len(streams)
+width = max(len(p) for p, _ in streams)
+L.llama_backend_init()
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_seq_max = 512 * n, n
+cp.n_batch = cp.n_ubatch = max(width, n)
+cp.n_threads = cp.n_threads_batch = 2
+ctx = L.llama_init_from_model(model, cp)
+batch = L.llama_batch_init(max(width, n), 0, n)
+def decode(rows):
+    batch.n_tokens = len(rows)
+    for i, (tok, pos, seq, logits) in enumerate(rows):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+        batch.seq_id[i][0] = seq
+    if L.llama_decode(ctx, batch) != 0:
+        sys.exit('llama_decode failed')
+t = time.perf_counter()
+for seq, (prompt, _) in enumerate(streams):
+    decode([(tok, pos, seq, int(pos == len(prompt) - 1)) for pos, tok in enumerate(prompt)])
+prefill_s = time.perf_counter() - t
+t = time.perf_counter()
+steps = len(streams[0][1])
+for j in range(steps):
+    decode([(forced[j], len(prompt) + j, seq, 1) for seq, (prompt, forced) in enumerate(streams)])
+decode_s = time.perf_counter() - t
+L.llama_batch_free(batch)
+print(json.dumps({"aggregate_tps": n * steps / decode_s, "prefill_s": prefill_s, "decode_s": decode_s}))
+"""
+
+
+def stream_workloads(vocab: int, locality: bool, n: int) -> list[tuple[list[int], list[int]]]:
+    """n distinct prompts and forced continuations (stream i is workload seed 1234 + i)."""
+    return [workload(vocab, locality, seed=1234 + i) for i in range(n)]
+
+
+def token_times(req) -> list[float]:
+    """Consume a request's events, returning when each of its tokens arrived (perf_counter)."""
+    times = []
+    for ev in req.events():
+        if ev.get("ev") == "token":
+            times.append(time.perf_counter())
+    return times
+
+
+def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locality: bool, n: int,
+                        slots: int) -> dict:
+    """One engine of ``slots`` slots under the budget: an unmeasured warm-up request, then n streams sent in one
+    write, so they prefill in the same round and decode together. Aggregate decode tok/s is the tokens that came
+    after the last stream's first token over the wall time from then to the last one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colibri import launch
+    from colibri.engine import Engine
+    from colibri.model import resolve_model
+    from machine_load import LoadWindow
+
+    spec = launch.prepare(resolve_model(str(model), None), ram_gib=ram / launch.GIB, ctx=256, slots=slots,
+                          threads=2)
+    argv = group.wrap(list(spec.argv)) if group else list(spec.argv)
+    with Engine(argv, env=spec.env, ready_timeout=1800) as eng:
+        warm_prompt, warm_forced = workload(GEOM["vocab"], locality, seed=99)
+        eng.generate(warm_prompt, max_tokens=DECODE_TOKENS, forced=warm_forced)
+        eng.reset(0)
+        with LoadWindow((eng.proc.pid,)) as window, ThreadPoolExecutor(n) as pool:
+            with eng.together():
+                reqs = [eng.submit(p, slot=i, max_tokens=DECODE_TOKENS, forced=f)
+                        for i, (p, f) in enumerate(stream_workloads(GEOM["vocab"], locality, n))]
+            times = list(pool.map(token_times, reqs))
+        rss = peak_rss(eng.proc.pid)
+    start = max(t[0] for t in times)
+    end = max(t[-1] for t in times)
+    after = sum(1 for ts in times for x in ts if x > start)
+    decode = [r.stats.get("decode", {}) for r in reqs]
+    hits = sum(d.get("expert_hits", 0) for d in decode)
+    misses = sum(d.get("expert_misses", 0) for d in decode)
+    steps = sum(d.get("steps", 0) for d in decode)
+    return {"aggregate_tps": after / (end - start) if end > start else None, "streams": n,
+            "batched_steps": [r.stats.get("batched_steps", 0) for r in reqs],
+            "decode": {"steps": steps, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                       "bytes_read": sum(d.get("bytes_read", 0) for d in decode)},
+            "cap": int(spec.argv[spec.argv.index("--cap") + 1]), "peak_rss_bytes": rss,
+            "load_average": window.load_average, "other_cpu_share": window.other_cpu_share}
+
+
+def run_llama_streams(gguf: Path, group: CappedGroup | None, locality: bool, n: int) -> dict:
+    from machine_load import LoadWindow
+
+    argv = [sys.executable, "-c", LLAMA_PARALLEL_RUNNER, str(gguf),
+            json.dumps(stream_workloads(GEOM["vocab"], locality, n))]
+    with LoadWindow() as window:
+        proc = subprocess.run(group.wrap(argv) if group else argv, capture_output=True, text=True, timeout=7200)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "streams": n, "load_average": window.load_average,
+            "other_cpu_share": window.other_cpu_share}
+
+
+def run_concurrency(results: dict, model: Path, precision: str, container: Path, gguf, cap_bytes: int,
+                    locality: bool) -> None:
+    """Scenario (c): ROUNDS rounds, each every stream count on each engine in turn (the engines alternate, and each
+    round starts one stream count later), all under the capped group, the page cache warm from earlier runs."""
+    group = CappedGroup(cap_bytes, "streams")
+    try:
+        for r in range(ROUNDS):
+            for k in range(len(STREAMS)):
+                n = STREAMS[(r + k) % len(STREAMS)]
+                for engine in ENGINES:
+                    path = gguf(model, precision) if engine == "llama.cpp" else container
+                    if path is None:
+                        continue
+                    log(f"{model.name}/{precision} concurrency {n} streams {engine} (round {r + 1})")
+                    (container / ".colibri-hotset").unlink(missing_ok=True)   # no run teaches the next
+                    try:
+                        stats = (run_colibri_streams(container, int(cap_bytes * 0.9), group, locality, n, max(STREAMS))
+                                 if engine == "colibri" else run_llama_streams(path, group, locality, n))
+                    except Exception as exc:   # one failed run must not lose the others
+                        stats = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(json.dumps(stats)[:300])
+                    results["runs"].append({"model": model.name, "precision": precision, "scenario": "concurrency",
+                                            "temp": "warm", "engine": engine, "variant": f"{n} streams",
+                                            **stats, "streams": n})
+                    (RESULTS / "stream_bench.json").write_text(json.dumps(results, indent=1))
+    finally:
+        group.close()
+
+
 # ---- 3. the runs and the report ---------------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -604,6 +744,10 @@ def main() -> int:
             cap_bytes = size // 3
             results["models"][f"{model.name}/{precision}"] = {"bytes": size, "cap_bytes": cap_bytes}
             for scenario in SCENARIOS:
+                if scenario == "concurrency":
+                    if model.name in LLAMA_MODELS:   # the plain model: llama.cpp's peer figures are on it
+                        run_concurrency(results, model, precision, container, llama_gguf, cap_bytes, locality)
+                    continue
                 group = None
                 sidecar = container / ".colibri-hotset"
                 learned = None   # what every measured run starts from: no sidecar, or the learning run's
@@ -673,6 +817,49 @@ def median_run(runs: list[dict], **where) -> dict | None:
     ok = sorted((r for r in runs if all(r.get(k) == v for k, v in where.items()) and "decode_tps" in r),
                 key=lambda r: r["decode_tps"])
     return ok[(len(ok) - 1) // 2] if ok else None
+
+
+def median_by(runs: list[dict], key: str, **where) -> dict | None:
+    """The run with the median ``key`` among the matching ones that have it (the lower middle one of an even count)."""
+    ok = sorted((r for r in runs if all(r.get(k) == v for k, v in where.items()) and r.get(key) is not None),
+                key=lambda r: r[key])
+    return ok[(len(ok) - 1) // 2] if ok else None
+
+
+def concurrency_lines(results: dict) -> list[str]:
+    """The concurrency table: per stream count, each engine's median aggregate decode tok/s and its multiple of one
+    stream, with the median run's load average and other processes' CPU share."""
+    runs = [r for r in results["runs"] if r.get("scenario") == "concurrency"]
+    if not runs:
+        return []
+    lines = ["", "Concurrency under the cap (1/3 of the container; one engine of "
+             f"{max(STREAMS)} slots for every stream count): streams started together, each a different "
+             f"{PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} teacher-forced decode steps; aggregate decode "
+             "tok/s = tokens after the last stream's first one over the wall time from then to the last token "
+             "(colibri), or every sequence's decode steps over the batched decode loop's "
+             f"time (llama.cpp's parallel sequences). Medians of {ROUNDS}; load average and other processes' CPU "
+             "share of the median run.", "",
+             "| bits | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | load avg "
+             "| others' CPU | llama.cpp aggregate tok/s | x one stream | colibri / llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for precision in SELECTED_PRECISIONS:
+        one_c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=1)
+        one_l = median_by(runs, "aggregate_tps", engine="llama.cpp", precision=precision, streams=1)
+        for n in STREAMS:
+            c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=n) or {}
+            ll = median_by(runs, "aggregate_tps", engine="llama.cpp", precision=precision, streams=n) or {}
+            if not c and not ll:
+                continue
+            d = c.get("decode", {})
+            ct, lt = c.get("aggregate_tps"), ll.get("aggregate_tps")
+            read = f"{d['bytes_read'] / max(1, d['steps']) / 1e6:.0f} MB" if d.get("steps") else "–"
+            lines.append(
+                f"| {precision} | {n} | {fmt(ct)} | {fmt(ct / one_c['aggregate_tps'] if ct and one_c else None)} | "
+                f"{100 * float(d.get('hit_rate', 0)):.0f}% | {read} | {fmt(c.get('load_average'), '.1f')} | "
+                f"{fmt(100 * c['other_cpu_share'] if 'other_cpu_share' in c else None, '.0f')} % | {fmt(lt)} | "
+                f"{fmt(lt / one_l['aggregate_tps'] if lt and one_l else None)} | "
+                f"{fmt(ct / lt if ct and lt else None)} |")
+    return lines
 
 
 def best(runs: list[dict], **where) -> dict | None:
@@ -818,8 +1005,10 @@ def write_markdown(results: dict, rows: list[dict]) -> None:
             return fmt(1000 * d[key] / steps, ".1f") if d.get(key) is not None else "–"
         lines.append(f"| {r['model']} | {r['precision']} | {r['scenario']} {r['temp']} | {ms('io_wait_s')} | "
                      f"{ms('expert_s')} | {ms('attention_s')} | {ms('other_s')} |")
+    lines += concurrency_lines(results)
     lines += ["", "Targets: capped decode >= 2x llama.cpp and prefill >= 1x; in-RAM decode >= 0.8x; capped decode >= "
-              "70% of the disk bound; on olmoe-skew, the default (duel + prefetch) beats plain LRU.", "",
+              "70% of the disk bound; on olmoe-skew, the default (duel + prefetch) beats plain LRU; aggregate decode "
+              "at 4 streams >= 2x one stream under the cap.", "",
               "![decode tok/s, colibri vs llama.cpp](stream-bench.png)", ""]
     write_section(ROOT / "docs" / "benchmarks.md", "stream-bench", "\n".join(lines[2:]))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import io
 import itertools
 import json
@@ -158,6 +159,7 @@ class Engine:
         self._fatal: dict[str, Any] | None = None
         self._dead: EngineError | None = None
         self._closing = False
+        self._held: list[bytes] | None = None   # lines of a together() block, sent at its end
         self._loaded = False
         full_env = {**os.environ, **(env or {})}
         try:
@@ -339,8 +341,30 @@ class Engine:
 
     # ---- plumbing --------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Send the requests made inside the block in one write at its end: the engine reads them at once, so
+        their sequences start in the same scheduling round (and decode together, docs/protocol.md). A benchmark's
+        simultaneous streams and the tests that compare them with sequential runs use it."""
+        with self._write_lock:
+            self._held = []
+        try:
+            yield
+        finally:
+            with self._write_lock:
+                lines, self._held = self._held or [], None
+            if lines:
+                self._write(b"".join(lines), quiet=False)
+
     def _send(self, msg: dict[str, Any], quiet: bool = False) -> None:
         line = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        with self._write_lock:
+            if self._held is not None:
+                self._held.append(line)
+                return
+        self._write(line, quiet)
+
+    def _write(self, line: bytes, quiet: bool) -> None:
         with self._write_lock:
             if self._dead is not None:
                 if quiet:

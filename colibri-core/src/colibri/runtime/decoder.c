@@ -481,3 +481,33 @@ int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos
     cb_decoder_logits(d, logits, n, all_logits);
     return 0;
 }
+
+/* The mixer of layer l on row i alone, the decoder's row buffers pointing at that row for the call. */
+static int mixer_on_row(cb_decoder *d, int l, int i, cb_kv *kv, int pos0, char *err, size_t errlen) {
+    size_t at = (size_t)i * (size_t)d->hidden;
+    float *x = d->x, *h = d->h, *proj = d->proj;
+    const int *tokens = d->tokens;
+    d->x = x + at, d->h = h + at, d->proj = proj + at, d->tokens = tokens + i;
+    int rc = d->recipe->mixer(d, l, kv, 1, pos0, err, errlen);
+    d->x = x, d->h = h, d->proj = proj, d->tokens = tokens;
+    return rc;
+}
+
+int cb_decoder_forward_batch(void *model, cb_kv *const *kvs, const int *tokens, const int *pos0, int n,
+                             float *logits, char *err, size_t errlen) {
+    cb_decoder *d = model;
+    if (n < 1 || n > d->max_batch) {
+        snprintf(err, errlen, "a batched step of %d sequences (1..%d)", n, d->max_batch);
+        return -1;
+    }
+    cb_decoder_embed(d, tokens, n);
+    for (int l = 0; l < d->n_layers; l++) {
+        cb_decoder_attn_norm(d, l, n);
+        for (int i = 0; i < n; i++)
+            if (mixer_on_row(d, l, i, kvs[i], pos0[i], err, errlen)) return -1;
+        cb_decoder_residual(d, n);
+        if (cb_decoder_ffn(d, l, n, err, errlen)) return -1;
+    }
+    cb_decoder_logits(d, logits, n, 1);
+    return 0;
+}

@@ -225,6 +225,13 @@ int cb_decoder_load(void **out, const cb_recipe *r, const cb_load_args *a, cb_mo
  * mixer, the residual and the FFN, then the logits. */
 int cb_decoder_forward(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
                        char *err, size_t errlen);
+/* One decode token of each of n sequences (a cb_family's forward_batch): the rows stacked, per layer the norm over
+ * all of them, the recipe's mixer once per sequence on its own row (n = 1, its KV / state and position: the decoder's
+ * row buffers x, h, proj and tokens point at that row for the call), then the FFN once over every row, so a routed
+ * expert several sequences chose is read once; logits of every row. A recipe whose mixer carries per-call state
+ * across layers outside the KV (a DSA selection reused by layers without an indexer) must not use it. */
+int cb_decoder_forward_batch(void *model, cb_kv *const *kvs, const int *tokens, const int *pos0, int n,
+                             float *logits, char *err, size_t errlen);
 /* Free a recipe's model (a cb_family's free). */
 void cb_decoder_unload(void *model);
 

@@ -1,8 +1,10 @@
 /* engine.c: the engine process every family shares: arguments, the JSON-lines protocol (docs/protocol.md),
  * KV slots, scheduling and stats. The family only loads weights and runs forward passes (engine.h).
  *
- * Scheduling: one thread of control. Each round gives every active sequence one step (a prefill chunk or
- * one decode token), and stdin is polled between steps so a cancel lands within one step.
+ * Scheduling: one thread of control. Each round gives every prefilling sequence one prompt chunk, then every
+ * decoding sequence one token: together in one batched forward (cb_family.forward_batch, up to the prefill chunk's
+ * rows at a time) when two or more decode and the family has one, so an expert several of them chose is read once
+ * per layer; else one forward per slot. stdin is polled between steps so a cancel lands within one step.
  */
 #include "engine.h"
 
@@ -58,6 +60,7 @@ typedef struct {
     char kv_identity[CB_KV_IDENTITY_LEN + 1];   /* the request's "kv_identity", written into the saved file */
     double prefill_s, decode_s;
     int decode_steps;
+    int batched_steps;         /* decode steps taken in one forward with other sequences */
     cb_expert_counters count;  /* expert traffic of this sequence's forward passes */
     cb_profile prof;           /* streaming counters and phase times of this sequence's forward passes */
     double forward_s;
@@ -78,6 +81,9 @@ typedef struct {
     const char *expert_map;    /* --expert-map: routed experts held by expert workers (expert_remote.h) */
     int expert_timeout_ms, expert_wait_s;
     slot_t *slots;
+    slot_t **batch;            /* n_slots: the sequences of a batched decode step */
+    cb_kv **batch_kv;
+    int *batch_tokens, *batch_pos;
     float *logits;             /* prefill_chunk x vocab */
     void *sample_work;
     cb_buf out;
@@ -316,7 +322,7 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
                              s->count.reads - s->prefill_count.reads};
     cb_profile dp = {0};
     add_profile(&dp, &s->prof, &s->prefill_prof);
-    cb_buf_printf(b, ",\"decode\":{\"steps\":%d", s->decode_steps);
+    cb_buf_printf(b, ",\"batched_steps\":%d,\"decode\":{\"steps\":%d", s->batched_steps, s->decode_steps);
     put_counters(b, &dc);
     put_profile(b, &dp, s->forward_s - s->prefill_forward_s);
     if (cb_remote_active()) {
@@ -331,25 +337,54 @@ static void finish(engine_t *E, slot_t *s, const char *reason) {
     seq_clear(s);
 }
 
-static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_logits, char *err) {
-    cb_expert_counters before = total_counters(E);
-    cb_profile prof_before = cb_prof;
-    cb_remote_counters net_before = cb_remote_totals();
-    double t0 = now_s();
-    int pos0 = s->n_tokens;
-    if (E->fam->forward(E->model, &s->kv, tokens, n, pos0, E->logits, all_logits, err, ERRLEN)) return -1;
-    s->forward_s += now_s() - t0;
-    add_profile(&s->prof, &cb_prof, &prof_before);
-    cb_experts_after_tokens(n);
-    memcpy(s->tokens + pos0, tokens, (size_t)n * sizeof(int));
+/* The process-wide traffic counters and the clock, taken around a forward pass. */
+typedef struct {
+    cb_expert_counters count;
+    cb_profile prof;
+    cb_remote_counters net;
+    double t;
+} traffic_t;
+
+static traffic_t traffic_now(const engine_t *E) {
+    traffic_t t = {total_counters(E), cb_prof, cb_remote_totals(), now_s()};
+    return t;
+}
+
+/* Share `i` of `of` of a counter's growth: equal parts, the remainder to the first shares, so the parts add up. */
+static uint64_t share(uint64_t after, uint64_t before, int i, int of) {
+    uint64_t d = after - before, q = d / (uint64_t)of, r = d % (uint64_t)of;
+    return q + ((uint64_t)i < r);
+}
+
+/* Charge sequence s with its part of a forward pass it ran in with of - 1 others: its wall time and phase times
+ * in full (each one waited for the whole pass), the expert and network traffic in equal shares (so the requests'
+ * counts add up to the engine's). `done` holds the time and phases at the pass's end. */
+static void charge(slot_t *s, const traffic_t *before, const traffic_t *done, const traffic_t *after, int i, int of) {
+    s->forward_s += done->t - before->t;
+    add_profile(&s->prof, &done->prof, &before->prof);
+    s->count.hits += share(after->count.hits, before->count.hits, i, of);
+    s->count.misses += share(after->count.misses, before->count.misses, i, of);
+    s->count.bytes_read += share(after->count.bytes_read, before->count.bytes_read, i, of);
+    s->count.reads += share(after->count.reads, before->count.reads, i, of);
+#define SHARE(f) s->net.f += share(after->net.f, before->net.f, i, of)
+    SHARE(messages); SHARE(rows); SHARE(experts); SHARE(bytes_sent); SHARE(bytes_received);
+    SHARE(layer_round_trips); SHARE(failures); SHARE(fallback_experts);
+#undef SHARE
+}
+
+static void note_fed(slot_t *s, const int *tokens, int n) {
+    memcpy(s->tokens + s->n_tokens, tokens, (size_t)n * sizeof(int));
     s->n_tokens += n;
-    cb_expert_counters after = total_counters(E);
-    s->count.hits += after.hits - before.hits;
-    s->count.misses += after.misses - before.misses;
-    s->count.bytes_read += after.bytes_read - before.bytes_read;
-    s->count.reads += after.reads - before.reads;
-    cb_remote_counters net = cb_remote_totals();
-    remote_delta(&s->net, &net, &net_before);
+}
+
+static int forward(engine_t *E, slot_t *s, const int *tokens, int n, int all_logits, char *err) {
+    traffic_t before = traffic_now(E);
+    if (E->fam->forward(E->model, &s->kv, tokens, n, s->n_tokens, E->logits, all_logits, err, ERRLEN)) return -1;
+    traffic_t done = traffic_now(E);
+    cb_experts_after_tokens(n);
+    traffic_t after = traffic_now(E);
+    charge(s, &before, &done, &after, 0, 1);
+    note_fed(s, tokens, n);
     return 0;
 }
 
@@ -489,6 +524,65 @@ static int step(engine_t *E, slot_t *s, char *err) {
     s->decode_s += now_s() - t0;
     s->decode_steps++;
     take_token(E, s, E->logits);
+    return 0;
+}
+
+static void read_input(engine_t *E, int block);
+
+/* One decode token of each of the n sequences in one forward pass (cb_family.forward_batch), then each one's
+ * sampling, stop and grammar handling exactly as a step of its own would do it, in slot order. */
+static int step_batch(engine_t *E, slot_t **seqs, int n, char *err) {
+    for (int i = 0; i < n; i++) {
+        E->batch_kv[i] = &seqs[i]->kv;
+        E->batch_tokens[i] = seqs[i]->pending;
+        E->batch_pos[i] = seqs[i]->n_tokens;
+    }
+    traffic_t before = traffic_now(E);
+    if (E->fam->forward_batch(E->model, E->batch_kv, E->batch_tokens, E->batch_pos, n, E->logits, err, ERRLEN))
+        return -1;
+    traffic_t done = traffic_now(E);
+    cb_experts_after_tokens(n);
+    traffic_t after = traffic_now(E);
+    for (int i = 0; i < n; i++) {
+        slot_t *s = seqs[i];
+        charge(s, &before, &done, &after, i, n);
+        note_fed(s, &E->batch_tokens[i], 1);
+        s->decode_s += done.t - before.t;
+        s->decode_steps++;
+        s->batched_steps++;
+    }
+    for (int i = 0; i < n; i++) take_token(E, seqs[i], E->logits + (size_t)i * (size_t)E->info.vocab);
+    return 0;
+}
+
+/* Every decoding sequence's next token: batched when two or more decode and the family can (at most a prefill
+ * chunk's rows per pass: its scratch and E->logits hold that many), else one step each. stdin is polled after
+ * each pass; a sequence it cancels is skipped, one it starts waits for the next round. On failure *failed names
+ * the sequences of the failing pass. */
+static int decode_round(engine_t *E, slot_t ***failed, int *n_failed, char *err) {
+    for (int from = 0; from < E->n_slots && !E->shutdown;) {
+        int n = 0;
+        while (from < E->n_slots && n < E->prefill_chunk) {
+            slot_t *s = &E->slots[from++];
+            if (s->phase == SEQ_DECODE) E->batch[n++] = s;
+        }
+        if (n >= 2 && E->fam->forward_batch) {
+            if (step_batch(E, E->batch, n, err)) {
+                *failed = E->batch, *n_failed = n;
+                return -1;
+            }
+            read_input(E, 0);
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            if (E->batch[i]->phase != SEQ_DECODE) continue;   /* cancelled while an earlier one stepped */
+            if (step(E, E->batch[i], err)) {
+                *failed = &E->batch[i], *n_failed = 1;
+                return -1;
+            }
+            read_input(E, 0);
+        }
+    }
     return 0;
 }
 
@@ -659,7 +753,7 @@ static void do_submit(engine_t *E, cb_json *req) {
     s->forced = forced;
     s->n_forced = n_forced;
     s->prefill_s = s->decode_s = 0;
-    s->decode_steps = 0;
+    s->decode_steps = s->batched_steps = 0;
     memset(&s->count, 0, sizeof s->count);
     memset(&s->prof, 0, sizeof s->prof);
     s->forward_s = 0;
@@ -931,6 +1025,11 @@ static int alloc_slots(engine_t *E, char *err) {
             goto oom;
         if (!s->kv.k || (!s->kv.v && !E->info.kv_k_only) || !s->tokens) goto oom;
     }
+    E->batch = malloc((size_t)E->n_slots * sizeof *E->batch);
+    E->batch_kv = malloc((size_t)E->n_slots * sizeof *E->batch_kv);
+    E->batch_tokens = malloc((size_t)E->n_slots * sizeof(int));
+    E->batch_pos = malloc((size_t)E->n_slots * sizeof(int));
+    if (!E->batch || !E->batch_kv || !E->batch_tokens || !E->batch_pos) goto oom;
     E->logits = malloc((size_t)E->prefill_chunk * (size_t)E->info.vocab * sizeof(float));
     E->sample_work = malloc((size_t)E->info.vocab * 2 * sizeof(float));
     if (!E->logits || !E->sample_work) goto oom;
@@ -951,6 +1050,10 @@ static void free_engine(engine_t *E) {
             free(E->slots[i].snap);
         }
     free(E->slots);
+    free(E->batch);
+    free(E->batch_kv);
+    free(E->batch_tokens);
+    free(E->batch_pos);
     free(E->logits);
     free(E->sample_work);
     free(E->in);
@@ -1030,7 +1133,9 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
     if (family->decide) cb_buf_printf(&E.out, ",\"outputs\":%d", E.info.outputs);
     /* a head-only model or an encoder only decides, and keeps no KV worth a file */
     int decide_only = E.info.decide_only || !family->forward;
-    cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}" : ",\"abilities\":[\"chat\",\"decide\",\"kv_files\"]}");
+    cb_buf_puts(&E.out, decide_only ? ",\"abilities\":[\"decide\"]}"
+                        : family->forward_batch ? ",\"abilities\":[\"chat\",\"decide\",\"kv_files\",\"batched_decode\"]}"
+                                                : ",\"abilities\":[\"chat\",\"decide\",\"kv_files\"]}");
     emit(&E);
 
     rc = 0;
@@ -1041,16 +1146,24 @@ int cb_engine_main(int argc, char **argv, const cb_family *family) {
         for (int i = 0; i < E.n_slots; i++) active |= E.slots[i].phase == SEQ_PREFILL || E.slots[i].phase == SEQ_DECODE;
         if (!active && E.in_eof) break;
         read_input(&E, !active);
-        for (int i = 0; i < E.n_slots && !E.shutdown; i++) {
+        slot_t **failed = NULL;
+        int n_failed = 0;
+        for (int i = 0; i < E.n_slots && !E.shutdown && !n_failed; i++) {
             slot_t *s = &E.slots[i];
-            if (s->phase == SEQ_IDLE || s->phase == SEQ_AWAIT_MASK) continue;
+            if (s->phase != SEQ_PREFILL) continue;
             if (step(&E, s, err)) {
-                emit_error(&E, 1, s->id, "internal", err);
-                emit_fatal("internal", err);
-                rc = 2;
-                goto out_threads;
+                E.batch[0] = s;
+                failed = E.batch, n_failed = 1;
+                break;
             }
             read_input(&E, 0);
+        }
+        if (!n_failed && !E.shutdown) decode_round(&E, &failed, &n_failed, err);
+        if (n_failed) {
+            for (int i = 0; i < n_failed; i++) emit_error(&E, 1, failed[i]->id, "internal", err);
+            emit_fatal("internal", err);
+            rc = 2;
+            goto out_threads;
         }
     }
     for (int i = 0; i < E.n_slots; i++)

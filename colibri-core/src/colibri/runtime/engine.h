@@ -1,8 +1,9 @@
 /* engine.h: what a family engine supplies and what the shared runtime does with it.
  *
  * The runtime owns the process: argument parsing, the JSON-lines protocol of docs/protocol.md, KV slots,
- * scheduling (slots interleaved, prefill in chunks, stdin polled between steps), prefix reuse, sampling and
- * stats. A family supplies a cb_family: load the weights, run a forward pass over n tokens of one slot, free.
+ * scheduling (slots interleaved, prefill in chunks, the slots decoding together batched, stdin polled between
+ * steps), prefix reuse, sampling and stats. A family supplies a cb_family: load the weights, run a forward pass over
+ * n tokens of one slot (and, optionally, over one token of each of several slots), free.
  * A family's C file is then a short composition of the blocks in blocks.h and decoder.h (which never include this
  * header: the dependency runs process -> blocks; the family interface is family.h, the KV cache kv.h and the --set
  * table hparams.h) plus

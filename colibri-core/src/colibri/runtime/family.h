@@ -49,6 +49,13 @@ typedef struct cb_family {
     int (*forward)(void *model, cb_kv *kv, const int *tokens, int n, int pos0, float *logits, int all_logits,
                    char *err, size_t errlen);
     void (*free)(void *model);
+    /* Optional: the next token of each of n sequences in one pass, so each routed expert any of them chose is read
+     * once per layer (docs/architecture.md, "Scheduling"). Sequence i feeds tokens[i] at position pos0[i] on the
+     * KV (and recurrent state) kvs[i]; its vocab logits go to logits[i * vocab]. n is at most max_batch; each row
+     * must equal what forward gives that sequence alone (n = 1), bit for bit. NULL: the engine steps each slot by
+     * itself (families with their own forward, image and decision engines). */
+    int (*forward_batch)(void *model, cb_kv *const *kvs, const int *tokens, const int *pos0, int n, float *logits,
+                         char *err, size_t errlen);
     /* Optional: answer a decide from the whole prompt in one call, for a bidirectional encoder (every token sees
      * every other, so nothing is computed in chunks, no KV is kept and no prefix is reused). Fill d->scores: per
      * mark, one score per option, the options being columns of the family's decision head, in

@@ -90,6 +90,7 @@ static int ds_load(void **out, const cb_load_args *a, cb_model_info *info, char 
 }
 
 static const cb_family ds_family
-    = {.name = "deepseek-v4", .load = ds_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
+    = {.name = "deepseek-v4", .load = ds_load, .forward = cb_decoder_forward,
+       .forward_batch = cb_decoder_forward_batch, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &ds_family); }

@@ -160,6 +160,7 @@ static int kl_load(void **out, const cb_load_args *a, cb_model_info *info, char 
 }
 
 static const cb_family kl_family
-    = {.name = "kimi", .load = kl_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
+    = {.name = "kimi", .load = kl_load, .forward = cb_decoder_forward,
+       .forward_batch = cb_decoder_forward_batch, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &kl_family); }

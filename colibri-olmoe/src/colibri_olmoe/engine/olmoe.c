@@ -111,6 +111,7 @@ static int olmoe_load(void **out, const cb_load_args *a, cb_model_info *info, ch
 }
 
 static const cb_family olmoe_family
-    = {.name = "olmoe", .load = olmoe_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
+    = {.name = "olmoe", .load = olmoe_load, .forward = cb_decoder_forward,
+       .forward_batch = cb_decoder_forward_batch, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &olmoe_family); }

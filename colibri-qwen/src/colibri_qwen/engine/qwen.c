@@ -66,6 +66,7 @@ static int qwen_load(void **out, const cb_load_args *a, cb_model_info *info, cha
 }
 
 static const cb_family qwen_family
-    = {.name = "qwen", .load = qwen_load, .forward = cb_decoder_forward, .free = cb_decoder_unload};
+    = {.name = "qwen", .load = qwen_load, .forward = cb_decoder_forward,
+       .forward_batch = cb_decoder_forward_batch, .free = cb_decoder_unload};
 
 int main(int argc, char **argv) { return cb_engine_main(argc, argv, &qwen_family); }
