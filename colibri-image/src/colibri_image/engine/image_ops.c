@@ -575,7 +575,8 @@ static const img_tensor_spec vae_frame_tensors[] = {
     IMG_TENSORS_END,
 };
 
-int vae_frame_load(img_ctx *c, vae_frame_t *v, int causal, int out_rows) {
+int vae_frame_load(img_ctx *c, vae_frame_t *v, int causal, int out_rows, const img_tensor_spec *up_tensors, int halve,
+                   const int *tup) {
     if (v->levels > 8) return img_fail(c, "levels=%d out of range", v->levels);
     int *dims = v->dims, top = v->levels;
     for (int i = 0; i < top; i++)
@@ -587,7 +588,19 @@ int vae_frame_load(img_ctx *c, vae_frame_t *v, int causal, int out_rows) {
     v->out_rows = out_rows;
     v->causal = causal;
     v->attn.C = dims[0];
-    return img_load(c, v, v, vae_frame_tensors, "", 0, 0);
+    v->up_tensors = up_tensors;
+    if (img_load(c, v, v, vae_frame_tensors, "", 0, 0)) return -1;
+    for (int i = 0; i < top; i++) {
+        upblock_t *u = &v->U[i];
+        u->in = i > 0 ? v->U[i - 1].up_out : dims[0];
+        u->out = dims[i + 1];
+        u->up = i != top - 1;
+        u->up_out = halve ? u->out / 2 : u->out;
+        u->ft = u->up && tup && tup[i] ? 2 : 1;
+        u->nres1 = v->nres + 1;
+        if (img_load(c, u, u, up_tensors, "", i, 0)) return -1;
+    }
+    return 0;
 }
 
 /* The next request (latent h, w, then z x h x w floats) through the front: 1 with y [dims[0], h, w], 0 at the end
@@ -621,7 +634,10 @@ float *vae_frame_tail(img_ctx *c, const vae_frame_t *v, float *y, int h, int w) 
     return img;
 }
 
-void vae_frame_free(vae_frame_t *v) { img_free(v, v, vae_frame_tensors); }
+void vae_frame_free(vae_frame_t *v) {
+    for (int i = 0; v->up_tensors && i < v->levels && i < 8; i++) img_free(&v->U[i], &v->U[i], v->up_tensors);
+    img_free(v, v, vae_frame_tensors);
+}
 
 /* ------------------------------------------------------------------------------------------------------ main */
 

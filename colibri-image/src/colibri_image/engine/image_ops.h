@@ -176,8 +176,17 @@ int conv(img_ctx *c, const conv_t *cv, float *y, const float *x, int h, int w);
 float *res_forward(img_ctx *c, const resblock_t *r, float *x, int h, int w);
 float *upsample2x(img_ctx *c, float *y, int C, int h, int w);
 
-/* What both decoders share around their up blocks: the arguments (z_dim, num_res_blocks, levels, multI; base_dim),
- * post_quant_conv + conv_in + the mid block (resnet, attention, resnet) in front, norm_out + conv_out behind. */
+/* An up block of either decoder: resnets (the first in -> out channels, the rest out -> out), then (but the last
+ * block) an upsampler conv to up_out channels. */
+typedef struct {
+    int in, out, up_out, up, ft, nres1;   /* ft: 2.1's temporal factor of the DupUp3D shortcut (1 without) */
+    resblock_t *res;
+    conv_t upconv;
+} upblock_t;
+
+/* What both decoders share: the arguments (z_dim, num_res_blocks, levels, multI; base_dim), post_quant_conv +
+ * conv_in + the mid block (resnet, attention, resnet) in front, the up blocks' shapes and weights, norm_out +
+ * conv_out behind. */
 typedef struct {
     int base, z, nres, levels, mult[8];
     int dims[9];       /* dims[0] the mid block's channels, dims[i + 1] up block i's output */
@@ -186,11 +195,15 @@ typedef struct {
     resblock_t mid0, mid1;
     vattn_t attn;
     float *gout;
+    upblock_t U[8];
+    const img_tensor_spec *up_tensors;
 } vae_frame_t;
 
 extern const cb_hp_spec vae_frame_hparams[];
-/* After vae_frame_hparams: the frame's tensors (causal: Qwen-Image's 3-D kernels; out_rows: conv_out's rows). */
-int vae_frame_load(img_ctx *c, vae_frame_t *v, int causal, int out_rows);
+/* After vae_frame_hparams: the frame's tensors and the up blocks' (causal: Qwen-Image's 3-D kernels; out_rows:
+ * conv_out's rows; halve: the upsamplers halve the channels; tup: each block's temporal upsampling, or NULL). */
+int vae_frame_load(img_ctx *c, vae_frame_t *v, int causal, int out_rows, const img_tensor_spec *up_tensors, int halve,
+                   const int *tup);
 int vae_frame_next(img_ctx *c, const vae_frame_t *v, int32_t *h, int32_t *w, float **y);
 float *vae_frame_tail(img_ctx *c, const vae_frame_t *v, float *y, int h, int w);
 void vae_frame_free(vae_frame_t *v);

@@ -361,50 +361,22 @@ static int dit_forward(img_ctx *c, void *model) {
 
 /* ================================================================== vae: AutoencoderKLQwenImage decoder, 1 frame */
 
-typedef struct {
-    int in, out, half, up, nres1;   /* channels in, out, after the upsampler; upsamples; resnets */
-    resblock_t *res;
-    conv_t upconv;
-} upblock_t;
-
-typedef struct {
-    vae_frame_t v;     /* first: vae_frame_hparams fill it */
-    upblock_t U[8];
-} vae_t;
-
 static const img_tensor_spec up_tensors[] = {
     IMG_RES_LIST_OF("decoder.up_blocks.%d.resnets.%d", upblock_t, res, upblock_t, out, in, IMG_ALWAYS, nres1),
-    IMG_CONV_IF("decoder.up_blocks.%d.upsamplers.0.resample.1", upblock_t, upconv, upblock_t, half, out, IMG_NEVER,
+    IMG_CONV_IF("decoder.up_blocks.%d.upsamplers.0.resample.1", upblock_t, upconv, upblock_t, up_out, out, IMG_NEVER,
                 offsetof(upblock_t, up)),
     IMG_TENSORS_END,
 };
 
-static int vae_load(img_ctx *c, void *model) {
-    vae_t *m = model;
-    if (vae_frame_load(c, &m->v, 1, 3)) return -1;
-    for (int i = 0; i < m->v.levels; i++) {
-        upblock_t *u = &m->U[i];
-        u->out = m->v.dims[i + 1];
-        u->in = i > 0 ? m->v.dims[i] / 2 : m->v.dims[i];
-        u->half = u->out / 2;
-        u->up = i != m->v.levels - 1;
-        u->nres1 = m->v.nres + 1;
-        if (img_load(c, u, u, up_tensors, "", i, 0)) return -1;
-    }
-    return 0;
-}
+static int vae_load(img_ctx *c, void *model) { return vae_frame_load(c, model, 1, 3, up_tensors, 1, NULL); }
 
-static void vae_free(void *model) {
-    vae_t *m = model;
-    for (int i = 0; i < m->v.levels && i < 8; i++) img_free(&m->U[i], &m->U[i], up_tensors);
-    vae_frame_free(&m->v);
-}
+static void vae_free(void *model) { vae_frame_free(model); }
 
 /* The up blocks of one frame: y [dims[0], h, w] (freed) -> [dims[levels], h * 2^(levels - 1), ...], h and w
  * updated; NULL on failure. */
-static float *vae_up(img_ctx *c, const vae_t *m, float *y, int32_t *h, int32_t *w) {
-    for (int i = 0; i < m->v.levels; i++) {
-        const upblock_t *u = &m->U[i];
+static float *vae_up(img_ctx *c, const vae_frame_t *v, float *y, int32_t *h, int32_t *w) {
+    for (int i = 0; i < v->levels; i++) {
+        const upblock_t *u = &v->U[i];
         for (int r = 0; r < u->nres1; r++)
             if (!(y = res_forward(c, &u->res[r], y, *h, *w))) return NULL;
         if (!u->up) continue;
@@ -412,7 +384,7 @@ static float *vae_up(img_ctx *c, const vae_t *m, float *y, int32_t *h, int32_t *
         float *big = upsample2x(c, y, u->out, *h, *w);
         if (!big) return NULL;
         *h *= 2; *w *= 2;
-        y = img_floats(c, (size_t)u->half * *h * *w);
+        y = img_floats(c, (size_t)u->up_out * *h * *w);
         if (!y || conv(c, &u->upconv, y, big, *h, *w)) { free(big); free(y); return NULL; }
         free(big);
     }
@@ -420,12 +392,12 @@ static float *vae_up(img_ctx *c, const vae_t *m, float *y, int32_t *h, int32_t *
 }
 
 static int vae_forward(img_ctx *c, void *model) {
-    const vae_t *m = model;
+    const vae_frame_t *v = model;
     int32_t h, w;
     float *y;
     int got;
-    while ((got = vae_frame_next(c, &m->v, &h, &w, &y)) == 1) {
-        float *img = (y = vae_up(c, m, y, &h, &w)) ? vae_frame_tail(c, &m->v, y, h, w) : NULL;
+    while ((got = vae_frame_next(c, v, &h, &w, &y)) == 1) {
+        float *img = (y = vae_up(c, v, y, &h, &w)) ? vae_frame_tail(c, v, y, h, w) : NULL;
         if (!img) return -1;
         int32_t hdr[2] = {h, w};
         int rc = write_all(hdr, sizeof hdr) || write_all(img, sizeof(float) * (size_t)3 * h * w);
@@ -447,7 +419,7 @@ static const img_stage dit_stage = {
     .load_model = dit_load, .forward = dit_forward, .free_model = dit_free,
 };
 static const img_stage vae_stage = {
-    .name = "vae", .model_size = sizeof(vae_t), .hparams = vae_frame_hparams, .f32_only = 1,
+    .name = "vae", .model_size = sizeof(vae_frame_t), .hparams = vae_frame_hparams, .f32_only = 1,
     .load_model = vae_load, .forward = vae_forward, .free_model = vae_free,
 };
 

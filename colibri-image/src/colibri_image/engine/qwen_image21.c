@@ -288,16 +288,9 @@ static void dup_up_add(float *y_out, const float *x, int cin, int cout, int ft, 
 }
 
 typedef struct {
-    int in, out, up, ft, nres1;   /* channels in and out; upsamples; time factor of the shortcut; resnets */
-    resblock_t *res;
-    conv_t upconv;
-} upblock21_t;
-
-typedef struct {
     int rows, patch, tup[8];   /* conv_out's (patchified) channels, patch_size, each up block's temporal upsample */
     int out_ch;
     vae_frame_t v;
-    upblock21_t U[8];
 } vae21_t;
 
 static const cb_hp_spec vae21_hparams[] = {
@@ -310,9 +303,9 @@ static const cb_hp_spec vae21_hparams[] = {
 };
 
 static const img_tensor_spec up21_tensors[] = {
-    IMG_RES_LIST_OF("decoder.up_blocks.%d.resnets.%d", upblock21_t, res, upblock21_t, out, in, IMG_NEVER, nres1),
-    IMG_CONV_IF("decoder.up_blocks.%d.upsampler.resample.1", upblock21_t, upconv, upblock21_t, out, out, IMG_NEVER,
-                offsetof(upblock21_t, up)),
+    IMG_RES_LIST_OF("decoder.up_blocks.%d.resnets.%d", upblock_t, res, upblock_t, out, in, IMG_NEVER, nres1),
+    IMG_CONV_IF("decoder.up_blocks.%d.upsampler.resample.1", upblock_t, upconv, upblock_t, up_out, out, IMG_NEVER,
+                offsetof(upblock_t, up)),
     IMG_TENSORS_END,
 };
 
@@ -323,31 +316,22 @@ static int vae21_load(img_ctx *c, void *model) {
     if (patch < 1 || patch > 8 || m->rows % (patch * patch))
         return img_fail(c, "out_channels=%d is not a multiple of patch_size^2 (patch %d)", m->rows, patch);
     m->out_ch = m->rows / (patch * patch);
-    if (img_hparams(c, vae_frame_hparams, &m->v) || vae_frame_load(c, &m->v, 0, m->rows)) return -1;
-    for (int i = 0; i < m->v.levels; i++) {
-        upblock21_t *u = &m->U[i];
-        u->in = m->v.dims[i];
-        u->out = m->v.dims[i + 1];
-        u->up = i != m->v.levels - 1;
-        u->ft = u->up && m->tup[i] ? 2 : 1;
-        u->nres1 = m->v.nres + 1;
-        if (u->up && (u->out * u->ft * 4) % u->in)
+    if (img_hparams(c, vae_frame_hparams, &m->v) || vae_frame_load(c, &m->v, 0, m->rows, up21_tensors, 0, m->tup))
+        return -1;
+    for (int i = 0; i + 1 < m->v.levels; i++) {
+        const upblock_t *u = &m->v.U[i];
+        if ((u->out * u->ft * 4) % u->in)
             return img_fail(c, "up block %d: %d channels cannot repeat into %d", i, u->in, u->out);
-        if (img_load(c, u, u, up21_tensors, "", i, 0)) return -1;
     }
     return 0;
 }
 
-static void vae21_free(void *model) {
-    vae21_t *m = model;
-    for (int i = 0; i < m->v.levels && i < 8; i++) img_free(&m->U[i], &m->U[i], up21_tensors);
-    vae_frame_free(&m->v);
-}
+static void vae21_free(void *model) { vae_frame_free(&((vae21_t *)model)->v); }
 
 /* The up blocks of one frame, as vae's with DupUp3D shortcuts around the upsamplers. */
 static float *vae21_up(img_ctx *c, const vae21_t *m, float *y, int32_t *h, int32_t *w) {
     for (int i = 0; i < m->v.levels; i++) {
-        const upblock21_t *u = &m->U[i];
+        const upblock_t *u = &m->v.U[i];
         float *copy = NULL;
         if (u->up) {
             if (!(copy = img_floats(c, (size_t)u->in * *h * *w))) { free(y); return NULL; }
