@@ -50,8 +50,12 @@ int read_all(void *dst, size_t n) {
     return fread(dst, 1, n, stdin) == n ? 0 : -1;
 }
 
-int write_all(const void *src, size_t n) {
-    return fwrite(src, 1, n, stdout) == n ? 0 : -1;
+int img_reply(img_ctx *c, const int32_t *hdr, int hdr_ints, const float *data, size_t floats) {
+    size_t n = (size_t)hdr_ints;
+    if ((n && fwrite(hdr, sizeof *hdr, n, stdout) != n) || fwrite(data, sizeof *data, floats, stdout) != floats ||
+        fflush(stdout))
+        return img_fail(c, "writing the answer to stdout failed");
+    return 0;
 }
 
 int read_i32(int32_t *v) { return read_all(v, 4); }
@@ -674,6 +678,7 @@ static int run_stage(img_ctx *c, const img_stage *s, const char *dir) {
         fputs("ready\n", stderr);
         rc = s->forward(c, model);
     }
+    img_bufs_free(&c->session);
     if (model) s->free_model(model);
     free(model);
     cb_st_close(&c->idx);

@@ -24,6 +24,10 @@ typedef struct {
     cb_st_index idx;           /* the component folder's checkpoint */
     cb_hparams hp;             /* the stage's key=value arguments, read through cb_hp_spec tables */
     int int8;                  /* the stage's matrices quantized per row at load (never for the VAE) */
+    struct img_bufs_s {        /* the session's buffers (img_bufs), freed by img_main after forward */
+        int n;
+        void *p[32];
+    } session;
     char err[512];             /* the first failure, for main's one error line */
 } img_ctx;
 
@@ -48,12 +52,9 @@ int img_main(int argc, char **argv, const img_stage *const *stages);
 float *img_floats(img_ctx *c, size_t n);
 void *img_alloc(img_ctx *c, size_t bytes);
 
-/* The buffers of one session or request, freed together whichever way it ends. */
-#define IMG_MAX_BUFS 32
-typedef struct {
-    int n;
-    void *p[IMG_MAX_BUFS];
-} img_bufs;
+/* The buffers of one session (c->session) or request, freed together whichever way it ends. */
+typedef struct img_bufs_s img_bufs;
+#define IMG_MAX_BUFS ((int)(sizeof ((img_bufs *)0)->p / sizeof(void *)))
 
 void *img_keep(img_ctx *c, img_bufs *b, size_t bytes);   /* img_alloc, kept in b */
 float *img_buf(img_ctx *c, img_bufs *b, size_t floats);
@@ -154,7 +155,8 @@ void linear(const linear_t *l, float *Y, const float *X, int n);
 /* ---- stdin / stdout ---- */
 
 int read_all(void *dst, size_t n);
-int write_all(const void *src, size_t n);
+/* One answer: the int32 header (hdr_ints of them, 0 none) then `floats` f32 values, flushed: 0 or -1. */
+int img_reply(img_ctx *c, const int32_t *hdr, int hdr_ints, const float *data, size_t floats);
 int read_i32(int32_t *v);
 /* One step request of a transformer session (cmd 1, which text, timestep, the latents): 1 read, 0 the end of the
  * session (end of input or another command), -1 a short or bad request. */

@@ -158,10 +158,7 @@ static int text_request(img_ctx *c, const text_t *m, int n, img_bufs *b) {
     else
         memcpy(h, x, sizeof(float) * (size_t)n * hidden);
     int32_t hdr[2] = {n, hidden};
-    if (write_all(hdr, sizeof hdr) || write_all(h, sizeof(float) * (size_t)n * hidden))
-        return img_fail(c, "writing the hidden states failed");
-    fflush(stdout);
-    return 0;
+    return img_reply(c, hdr, 2, h, (size_t)n * hidden);
 }
 
 static int text_forward(img_ctx *c, void *model) {
@@ -264,7 +261,9 @@ static void feed_forward(float *x, int n, int D, int F, const float *mod, const 
 }
 
 /* The session: header (grid h, w in 2x2 patches, number of texts, each text: len, joint floats), then steps. */
-static int dit_session(img_ctx *c, const dit_t *m, img_bufs *b) {
+static int dit_forward(img_ctx *c, void *model) {
+    const dit_t *m = model;
+    img_bufs *b = &c->session;
     int D = m->dim, F = m->ffn, H = m->heads, hd = m->head_dim;
     int32_t gh, gw, ntext;
     if (read_i32(&gh) || read_i32(&gw) || read_i32(&ntext) || gh <= 0 || gw <= 0 || gh > 4096 || gw > 4096 ||
@@ -346,17 +345,9 @@ static int dit_session(img_ctx *c, const dit_t *m, img_bufs *b) {
         linear(&m->norm_out, omod, temb, 1);
         norm_modulate(nrm, img, N, D, omod + D, omod, 1e-6f);
         linear(&m->proj_out, out, nrm, N);
-        if (write_all(out, sizeof(float) * (size_t)N * 4 * m->out_ch)) return img_fail(c, "writing a step failed");
-        fflush(stdout);
+        if (img_reply(c, NULL, 0, out, (size_t)N * 4 * m->out_ch)) return -1;
     }
     return got < 0 ? -1 : 0;
-}
-
-static int dit_forward(img_ctx *c, void *model) {
-    img_bufs b = {0};
-    int rc = dit_session(c, model, &b);
-    img_bufs_free(&b);
-    return rc;
 }
 
 /* ================================================================== vae: AutoencoderKLQwenImage decoder, 1 frame */
@@ -400,10 +391,9 @@ static int vae_forward(img_ctx *c, void *model) {
         float *img = (y = vae_up(c, v, y, &h, &w)) ? vae_frame_tail(c, v, y, h, w) : NULL;
         if (!img) return -1;
         int32_t hdr[2] = {h, w};
-        int rc = write_all(hdr, sizeof hdr) || write_all(img, sizeof(float) * (size_t)3 * h * w);
+        int rc = img_reply(c, hdr, 2, img, (size_t)3 * h * w);
         free(img);
-        if (rc) return img_fail(c, "writing the image failed");
-        fflush(stdout);
+        if (rc) return -1;
     }
     return got < 0 ? -1 : 0;
 }

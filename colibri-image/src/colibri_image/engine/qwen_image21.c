@@ -212,7 +212,9 @@ static int text21_read(img_ctx *c, const dit21_t *m, prefix21_t *p, img_bufs *b)
 }
 
 /* The session: header (latent grid h, w: one token per latent pixel, number of texts, each text), then steps. */
-static int dit21_session(img_ctx *c, const dit21_t *m, img_bufs *b) {
+static int dit21_forward(img_ctx *c, void *model) {
+    const dit21_t *m = model;
+    img_bufs *b = &c->session;
     int D = m->dim, hd = m->head_dim;
     int32_t gh, gw, ntext;
     if (read_i32(&gh) || read_i32(&gw) || read_i32(&ntext) || gh <= 0 || gw <= 0 || gh > 1024 || gw > 1024 ||
@@ -260,17 +262,9 @@ static int dit21_session(img_ctx *c, const dit21_t *m, img_bufs *b) {
         linear(&m->norm_out, sc, st, 1);
         norm_modulate(s.nrm, img, N, D, s.zero, sc, m->eps);
         linear(&m->proj_out, out, s.nrm, N);
-        if (write_all(out, sizeof(float) * (size_t)N * m->out_ch)) return img_fail(c, "writing a step failed");
-        fflush(stdout);
+        if (img_reply(c, NULL, 0, out, (size_t)N * m->out_ch)) return -1;
     }
     return got < 0 ? -1 : 0;
-}
-
-static int dit21_forward(img_ctx *c, void *model) {
-    img_bufs b = {0};
-    int rc = dit21_session(c, model, &b);
-    img_bufs_free(&b);
-    return rc;
 }
 
 /* ============================================================ vae21: AutoencoderKLQwenImage21 decoder, 1 frame */
@@ -374,10 +368,9 @@ static int vae21_forward(img_ctx *c, void *model) {
                                 raw[((size_t)((ch * patch + pa) * patch + pb) * h + yy) * w + xx];
         free(raw);
         int32_t hdr[3] = {H, W, out_ch};
-        int rc = write_all(hdr, sizeof hdr) || write_all(img, sizeof(float) * (size_t)out_ch * H * W);
+        int rc = img_reply(c, hdr, 3, img, (size_t)out_ch * H * W);
         free(img);
-        if (rc) return img_fail(c, "writing the image failed");
-        fflush(stdout);
+        if (rc) return -1;
     }
     return got < 0 ? -1 : 0;
 }
