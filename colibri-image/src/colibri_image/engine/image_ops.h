@@ -20,15 +20,19 @@
 
 /* ---- one stage's state ---- */
 
+/* The buffers of one session (img_ctx.session) or request, freed together whichever way it ends. */
+#define IMG_MAX_BUFS 32
+typedef struct {
+    int n;
+    void *p[IMG_MAX_BUFS];
+} img_bufs;
+
 typedef struct {
     cb_st_index idx;           /* the component folder's checkpoint */
     cb_hparams hp;             /* the stage's key=value arguments, read through cb_hp_spec tables */
     int int8;                  /* the stage's matrices quantized per row at load (never for the VAE) */
-    struct img_bufs_s {        /* the session's buffers (img_bufs), freed by img_main after forward */
-        int n;
-        void *p[32];
-    } session;
-    char err[512];             /* the first failure, for main's one error line */
+    img_bufs session;          /* the session's buffers, freed by img_main after forward */
+    char err[512];             /* what failed, for main's one error line */
 } img_ctx;
 
 /* A stage of the image pipeline, one per process: load_model fills a zeroed model_size struct (its hparams table
@@ -44,17 +48,13 @@ typedef struct {
     void (*free_model)(void *model);
 } img_stage;
 
-/* argv: STAGE COMPONENT_DIR key=value...; runs the stage of that name from `stages` (NULL-name terminated): the
+/* argv: STAGE COMPONENT_DIR key=value...; runs the stage of that name from `stages` (NULL-terminated): the
  * process's exit status (0, 1 with "error: ..." on stderr, 2 for a usage error). */
 int img_main(int argc, char **argv, const img_stage *const *stages);
 
 /* calloc of n floats; NULL with c->err "out of memory allocating N bytes" (the message the pipeline recognises). */
 float *img_floats(img_ctx *c, size_t n);
 void *img_alloc(img_ctx *c, size_t bytes);
-
-/* The buffers of one session (c->session) or request, freed together whichever way it ends. */
-typedef struct img_bufs_s img_bufs;
-#define IMG_MAX_BUFS ((int)(sizeof ((img_bufs *)0)->p / sizeof(void *)))
 
 void *img_keep(img_ctx *c, img_bufs *b, size_t bytes);   /* img_alloc, kept in b */
 float *img_buf(img_ctx *c, img_bufs *b, size_t floats);
