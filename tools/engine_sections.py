@@ -63,17 +63,18 @@ def classify(chunk: list[str]) -> str:
     return "function"
 
 
+def names_hooks(text: str) -> bool:
+    return bool(re.search(rf"\.({'|'.join(LOAD_HOOKS + FORWARD_HOOKS)})\s*=", text))
+
+
 def is_hook_table(chunk: list[str]) -> bool:
     """A vtable in designated initializers naming a load or forward hook (e.g. the image family's img_stage)."""
-    hooks = "|".join(LOAD_HOOKS + FORWARD_HOOKS)
-    return "(" not in chunk[0] and chunk[0].endswith("{") and bool(re.search(rf"\.({hooks})\s*=", " ".join(chunk)))
+    return "(" not in chunk[0] and chunk[0].endswith("{") and names_hooks(" ".join(chunk))
 
 
 def is_library(path: Path) -> bool:
     """A family's block library (image_ops.c): no main and no hook table, so no forward pass of its own to rank."""
-    found = items(path)
-    return not any(name == "main" or (kind == "glue" and re.search(r"\.forward\s*=", body))
-                   for kind, name, _, body in found)
+    return not any(name == "main" or (kind == "glue" and names_hooks(body)) for kind, name, _, body in items(path))
 
 
 def sections(path: Path) -> dict[str, int]:

@@ -48,6 +48,9 @@ typedef struct {
     void (*free_model)(void *model);
 } img_stage;
 
+/* Qwen-Image-2.1's transformer and VAE (qwen_image21.c), for the binary's stage list in qwen_image.c's main. */
+extern const img_stage dit21_stage, vae21_stage;
+
 /* argv: STAGE COMPONENT_DIR key=value...; runs the stage of that name from `stages` (NULL-terminated): the
  * process's exit status (0, 1 with "error: ..." on stderr, 2 for a usage error). */
 int img_main(int argc, char **argv, const img_stage *const *stages);

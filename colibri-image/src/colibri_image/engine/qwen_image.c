@@ -25,8 +25,6 @@
 #include "image_ops.h"
 #include "kernels.h"
 
-extern const img_stage dit21_stage, vae21_stage;
-
 /* ====================================================================== text: Qwen2.5-VL / Qwen3-VL LM */
 
 /* Qwen3-VL differs from Qwen2.5-VL by bias-free q/k/v (bias=0) and an RMSNorm over each head of q and k before the
