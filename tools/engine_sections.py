@@ -7,7 +7,9 @@ Sections, as docs/architecture.md's "Writing a family" orders a recipe: ``struct
 forward pass runs: the recipe's mixer / FFN hooks or the family's own forward, and every function they call),
 ``glue`` (the recipe, the ``cb_family`` vtable, the load wrapper and ``main``). Code lines are counted as
 tools/repeated_lines.py counts them (comments and blank lines dropped). A top-level function no section reaches
-is ``other``. Prints one line per file; ``--check`` exits 1 when a file's forward section is not its largest.
+is ``other``. A hook table in designated initializers (``.forward = f``, as the image family's ``img_stage``) is
+glue whose hooks are roots like a ``cb_family``'s; a file with neither ``main`` nor such a table is a block library
+(``lib``, not ranked). Prints one line per file; ``--check`` exits 1 when a file's forward section is not its largest.
 
     python3 tools/engine_sections.py [--check] [FILE...]   (default: every colibri-*/src/*/engine/*.c)
 """
@@ -52,13 +54,27 @@ def classify(chunk: list[str]) -> str:
         return "glue"
     if head.startswith("typedef"):
         return "structs"
-    for kind, word in (("hparams", "cb_hp_spec"), ("tensors", "cb_tensor_spec"), ("scratch", "cb_scratch_spec"),
+    for kind, word in (("hparams", "cb_hp_spec"), ("tensors", "tensor_spec"), ("scratch", "cb_scratch_spec"),
                        ("glue", "cb_recipe"), ("glue", "cb_family")):
         if word in head:
             return kind
-    if head.startswith("int main"):
+    if head.startswith("int main") or is_hook_table(chunk):
         return "glue"
     return "function"
+
+
+def names_hooks(text: str) -> bool:
+    return bool(re.search(rf"\.({'|'.join(LOAD_HOOKS + FORWARD_HOOKS)})\s*=", text))
+
+
+def is_hook_table(chunk: list[str]) -> bool:
+    """A vtable in designated initializers naming a load or forward hook (e.g. the image family's img_stage)."""
+    return "(" not in chunk[0] and chunk[0].endswith("{") and names_hooks(" ".join(chunk))
+
+
+def is_library(path: Path) -> bool:
+    """A family's block library (image_ops.c): no main and no hook table, so no forward pass of its own to rank."""
+    return not any(name == "main" or (kind == "glue" and names_hooks(body)) for kind, name, _, body in items(path))
 
 
 def sections(path: Path) -> dict[str, int]:
@@ -98,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     files = args.files or sorted(ROOT.glob("colibri-*/src/*/engine/*.c"))
     bad = 0
     for path in files:
+        shown_path = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        if is_library(path):
+            print(f"lib {shown_path}: a block library (no main, no hook table), not ranked")
+            continue
         counts = sections(path)
         largest = max(counts, key=counts.get)
         ok = largest == "forward"
         bad += not ok
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
-        print(f"{'ok ' if ok else 'NO '} {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {shown}")
+        print(f"{'ok ' if ok else 'NO '} {shown_path}: {shown}")
     return 1 if args.check and bad else 0
 
 
