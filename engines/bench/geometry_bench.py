@@ -5,17 +5,18 @@ The model is DeepSeek-V3's real config.json (hidden 7168, 128 MLA heads, q_lora 
 ``weight_scale_inv``) cut to the dense first layer plus ``--moe-layers`` MoE layers at full width. Stages, each
 cached under ``$COLIBRI_BENCH_CACHE/dsv3-trunc`` (default ``~/.cache/colibri/bench``) so reruns reuse them:
 
-1. The FP8 checkpoint, deterministic from seeds: one dense shard written whole, and per MoE layer one shard per
-   group of experts written as its real safetensors header plus a hole of the data's size. FP8 bytes are drawn
-   as integers (no float sampling; exponent field 4..7, so never a NaN encoding, and a spread of about 15x like a
-   trained matrix's bulk), scales per 128x128 block set for a 1/sqrt(fan-in) RMS.
+1. The FP8 checkpoint, deterministic from seeds, sharded like the release (the globals, each layer's non-expert
+   weights, groups of 16 experts), every shard written as its real safetensors header plus a hole of the data's
+   size. FP8 bytes are drawn as integers (no float sampling; exponent field 4..7, so never a NaN encoding, and a
+   spread of about 15x like a trained matrix's bulk), scales per 128x128 block set for a 1/sqrt(fan-in) RMS.
 2. colibri's container: ``coli convert --experts int4 --dense int4`` (the library call), fed through a reporter
-   that generates each expert shard just before the converter reads it and punches it back to a hole once read,
-   so about two expert shards (~1.4 GB) are ever real. Dense FP8 matrices stay FP8 (the engine reads them
-   natively), as the converter does for the real release. One expert per layer is then re-derived from its seed
-   and checked byte for byte against the container.
-3. llama.cpp's GGUF (its ``deepseek2`` architecture, Q4_0), written straight from the same seeds: the metadata is
-   what the sdist's own ``convert_hf_to_gguf.py --vocab-only`` writes for this checkpoint, the tensors are named
+   that generates each shard just before the converter reads it and punches it back to a hole once read, so
+   about two shards are ever real (at most ~4.4 GB: the globals, embedding and LM head in bf16). Dense FP8
+   matrices stay FP8 (the engine reads them natively), as the converter does for the real release. One expert
+   per layer is then re-derived from its seed and checked byte for byte against the container.
+3. llama.cpp's GGUF (its ``deepseek2`` architecture, Q4_0), written straight from the same seeds by a second
+   process while the conversion runs: the metadata is what the sdist's own ``convert_hf_to_gguf.py
+   --vocab-only`` writes for this checkpoint, the tensors are named
    and shaped as that converter's DeepseekV2Model emits them (experts stacked, ``kv_b_proj`` split into
    ``attn_k_b`` / ``attn_v_b``), and every FP8 matrix is quantized to Q4_0 from its codes (a Q4_0 block's 32
    values share one FP8 block scale, so the 4-bit levels depend on the codes alone; ggml's reference rounding).
@@ -36,6 +37,7 @@ import argparse
 import functools
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -109,7 +111,7 @@ def _rng(name: str, part: int = 0) -> np.random.Generator:
 
 def fp8_codes(name: str, rows: int, cols: int) -> np.ndarray:
     """e4m3 codes of a weight: random sign and mantissa, exponent field 4..7 (values 2^-6 .. 1.875, never NaN)."""
-    r = _rng(name).integers(0, 256, (rows, cols), dtype=np.uint8)
+    r = np.frombuffer(bytearray(_rng(name).bytes(rows * cols)), dtype=np.uint8).reshape(rows, cols)
     exponent = (r >> 3) & 3
     exponent += 4
     r &= 0x87
@@ -134,7 +136,7 @@ def fp8_scales(name: str, rows: int, cols: int, fan_in: int) -> np.ndarray:
 
 def bf16_bits(name: str, count: int, rms: float) -> np.ndarray:
     """bf16 bit patterns with random sign and mantissa and an exponent within 4 octaves around ``rms``."""
-    r = _rng(name).integers(0, 1 << 16, count, dtype=np.uint16)
+    r = np.frombuffer(bytearray(_rng(name).bytes(2 * count)), dtype="<u2")
     base = 127 + int(math.floor(math.log2(rms))) - 2
     exponent = (r >> 7) & 3
     exponent += base
@@ -266,14 +268,14 @@ def punch(path: Path) -> None:
 
 
 class GeneratedSource:
-    """The checkpoint's expert shards: real header + hole, made real just before the converter reads them and
-    punched back to a hole after. Each keeps its first modification time, so an interrupted conversion resumes
-    (the converter checks that its source shards did not change)."""
+    """The checkpoint's shards, each its real safetensors header and a hole of the data's size, made real just
+    before the converter reads them and punched back to a hole after. Each keeps its first modification time, so
+    an interrupted conversion resumes (the converter checks that its source shards did not change)."""
 
     STAMPS = ".colibri-bench-stamps.json"
 
-    def __init__(self, directory: Path, cfg: dict, groups: dict[str, tuple[int, range]]):
-        self.dir, self.cfg, self.groups = directory, cfg, groups
+    def __init__(self, directory: Path, shards: dict[str, list[Tensor]]):
+        self.dir, self.groups = directory, shards
         self.stamps = json.loads((directory / self.STAMPS).read_text())
         self.peak_real_bytes = 0
 
@@ -291,9 +293,8 @@ class GeneratedSource:
     def fill(self, name: str) -> None:
         if self.is_real(name):
             return
-        layer, experts = self.groups[name]
-        tensors = expert_tensors(self.cfg, layer, experts)
-        head, places = shard_header(tensors)
+        tensors = self.groups[name]
+        _, places = shard_header(tensors)
         with open(self.path(name), "r+b") as fh:
             write_tensors(fh, tensors, places)
         self._restamp(name)
@@ -308,49 +309,46 @@ class GeneratedSource:
         return sum(self.path(n).stat().st_blocks * 512 for n in self.groups)
 
 
-def build_checkpoint(out: Path, cfg: dict, group_size: int) -> tuple[Path, dict[str, tuple[int, range]]]:
-    """The FP8 checkpoint: dense shard whole, expert shards as header + hole (made real by GeneratedSource)."""
-    groups: dict[str, tuple[int, range]] = {}
-    E = cfg["n_routed_experts"]
-    for layer in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
-        for first in range(0, E, group_size):
-            groups[f"model-L{layer:02d}-E{first:03d}.safetensors"] = (layer, range(first, min(E, first + group_size)))
-    if (out / "config.json").is_file():
-        return out, groups
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
+def checkpoint_shards(cfg: dict, group_size: int) -> dict[str, list[Tensor]]:
+    """The release-like sharding: the globals, each layer's non-expert weights, and groups of experts."""
     dense = dense_tensors(cfg)
-    name = "model-dense.safetensors"
-    if not (out / name).is_file():
-        log(f"writing the dense shard ({sum(t.nbytes for t in dense) / 1e9:.2f} GB)")
-        head, places = shard_header(dense)
-        tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            write_tensors(fh, dense, places)
-        os.replace(tmp, out / name)
-    weight_map.update({t.name: name for t in dense})
-    stamps = {}
-    for shard, (layer, experts) in groups.items():
-        tensors = expert_tensors(cfg, layer, experts)
-        head, _ = shard_header(tensors)
-        tmp = out / f".{shard}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            fh.truncate(len(head) + sum(t.nbytes for t in tensors))
-        os.replace(tmp, out / shard)
-        stamps[shard] = (out / shard).stat().st_mtime_ns
-        weight_map.update({t.name: shard for t in tensors})
-    (out / GeneratedSource.STAMPS).write_text(json.dumps(stamps))
-    total = sum(t.nbytes for t in dense) + sum(t.nbytes for s in groups.values()
-                                               for t in expert_tensors(cfg, s[0], s[1]))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
-    from colibri.testing.tiny import train_tokenizer
+    shards = {"model-globals.safetensors": [t for t in dense if not t.name.startswith("model.layers.")]}
+    E = cfg["n_routed_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shards[f"model-L{layer:02d}-dense.safetensors"] = [t for t in dense if t.name.startswith(prefix)]
+        if layer < cfg["first_k_dense_replace"]:
+            continue
+        for first in range(0, E, group_size):
+            shards[f"model-L{layer:02d}-E{first:03d}.safetensors"] = expert_tensors(
+                cfg, layer, range(first, min(E, first + group_size)))
+    return shards
 
-    train_tokenizer(out, "deepseek_v3")
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return out, groups
+
+def build_checkpoint(out: Path, cfg: dict, group_size: int) -> GeneratedSource:
+    """The FP8 checkpoint as headers and holes (GeneratedSource makes each shard real when it is read)."""
+    shards = checkpoint_shards(cfg, group_size)
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        stamps, weight_map = {}, {}
+        for name, tensors in shards.items():
+            head, _ = shard_header(tensors)
+            tmp = out / f".{name}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(head)
+                fh.truncate(len(head) + sum(t.nbytes for t in tensors))
+            os.replace(tmp, out / name)
+            stamps[name] = (out / name).stat().st_mtime_ns
+            weight_map.update({t.name: name for t in tensors})
+        (out / GeneratedSource.STAMPS).write_text(json.dumps(stamps))
+        total = sum(t.nbytes for tensors in shards.values() for t in tensors)
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                      "weight_map": weight_map}))
+        from colibri.testing.tiny import train_tokenizer
+
+        train_tokenizer(out, "deepseek_v3")
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return GeneratedSource(out, shards)
 
 
 # ---- 2. colibri's container --------------------------------------------------------------------------------------
@@ -414,7 +412,7 @@ def ensure_container(src: Path, source: GeneratedSource, out: Path) -> Path:
     t = time.perf_counter()
     result = convert(model, out, experts="int4", dense="int4", reporter=WindowReporter(source, plan))
     log(f"container: {result.output_bytes / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s, peak real FP8 "
-        f"expert shards {source.peak_real_bytes / 1e9:.2f} GB")
+        f"source {source.peak_real_bytes / 1e9:.2f} GB")
     return out
 
 
@@ -469,6 +467,20 @@ def q4_0_of_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     out[..., :2] = d.view(np.uint8).reshape(rows, nb, 2)
     out[..., 2:] = q[..., :16] | (q[..., 16:] << 4)
     return out
+
+
+def llama_sources() -> Path:
+    """The llama.cpp tree of the llama-cpp-python sdist ``nox -s bench`` builds from (downloaded once)."""
+    sdist_dir = sb.CACHE / "sdist"
+    tree = sdist_dir / f"llama_cpp_python-{sb.LLAMA_VERSION}" / "vendor" / "llama.cpp"
+    if not tree.is_dir():
+        sdist_dir.mkdir(parents=True, exist_ok=True)
+        sdist = sdist_dir / f"llama_cpp_python-{sb.LLAMA_VERSION}.tar.gz"
+        if not sdist.is_file():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                            f"llama-cpp-python=={sb.LLAMA_VERSION}", "-d", str(sdist_dir)], check=True)
+        subprocess.run(["tar", "xzf", str(sdist), "-C", str(sdist_dir)], check=True)
+    return tree
 
 
 def gguf_module(llama: Path):
@@ -675,9 +687,11 @@ def run_llama(gguf_path: Path, cfg: dict, group) -> dict:
     return stats
 
 
-def expert_bytes(container: Path) -> tuple[int, int]:
-    """(routed-expert bytes, everything else) of a container, from its shards' headers."""
-    experts = other = 0
+def container_bytes(container: Path, cfg: dict) -> dict[str, int]:
+    """A container's bytes by role, from its shards' headers: routed experts, everything else, the embedding (only
+    gathered per token), and the non-expert weights of the dense layer 0 and of the first MoE layer."""
+    out = dict.fromkeys(("experts", "other", "embedding", "dense_layer", "moe_layer"), 0)
+    moe_prefix = f"model.layers.{cfg['first_k_dense_replace']}."
     for f in container.glob("*.safetensors"):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
@@ -685,11 +699,14 @@ def expert_bytes(container: Path) -> tuple[int, int]:
             if name == "__metadata__":
                 continue
             size = meta["data_offsets"][1] - meta["data_offsets"][0]
-            if ".mlp.experts." in name:
-                experts += size
-            else:
-                other += size
-    return experts, other
+            out["experts" if ".mlp.experts." in name else "other"] += size
+            if name.startswith("model.embed_tokens."):
+                out["embedding"] += size
+            elif name.startswith("model.layers.0."):
+                out["dense_layer"] += size
+            elif name.startswith(moe_prefix) and ".mlp.experts." not in name:
+                out["moe_layer"] += size
+    return out
 
 
 def free_bytes(path: Path) -> int:
@@ -734,19 +751,30 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: {tag} needs {need / 1e9:.1f} GB of disk (+4 GiB margin) under {cache}; "
                              f"{free / 1e9:.1f} GB free (lower --moe-layers, or free space)")
     t0 = time.perf_counter()
-    src_dir, groups = build_checkpoint(src_dir, cfg, group_size)
-    source = GeneratedSource(src_dir, cfg, groups)
+    source = build_checkpoint(src_dir, cfg, group_size)
+    llama = llama_sources()
+    # The GGUF comes from the seeds, not from the source files: it is written beside the conversion, in a
+    # process of its own (the two share nothing but the checkpoint's headers).
+    gguf_job = None
+    if not gguf_path.is_file():
+        gguf_job = multiprocessing.get_context("fork").Process(target=ensure_gguf,
+                                                                args=(llama, src_dir, cfg, gguf_path))
+        gguf_job.start()
     ensure_container(src_dir, source, container)
     check_container(container, cfg)
-    punch(src_dir / "model-dense.safetensors")     # the GGUF is made from the seeds; only headers are read now
-    llama = sb.ensure_llama_cpp()
+    if gguf_job is not None:
+        gguf_job.join()
+        if gguf_job.exitcode != 0:
+            raise SystemExit(f"error: writing {gguf_path} failed (exit {gguf_job.exitcode})")
+    sb.ensure_llama_cpp()
     agreement = q4_agreement(llama, cfg)
-    ensure_gguf(llama, src_dir, cfg, gguf_path)
     prepare_s = time.perf_counter() - t0
     if not args.keep_fp8:
         shutil.rmtree(src_dir)     # the FP8 shards are holes by now; the container and GGUF stay cached
-    e_bytes, dense_bytes = expert_bytes(container)
-    cap = int(dense_bytes + (512 << 20) + args.expert_share * e_bytes)
+    sizes = container_bytes(container, cfg)
+    e_bytes, dense_bytes = sizes["experts"], sizes["other"]
+    reserve = (128 if args.quick else 512) << 20     # the engine's own memory beyond weights
+    cap = int(dense_bytes + reserve + args.expert_share * e_bytes)
     disk = sb.root_disk()
     original_ra = int(sb.readahead_file(disk).read_text()) if sb.readahead_file(disk).is_file() else 0
     # --quick is a smoke test that may run beside another benchmark: it leaves the machine-wide state (page
@@ -762,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": sb.machine(), "config": cfg, "tag": tag, "quick": args.quick,
                "moe_layers": args.moe_layers, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
                "container_bytes": e_bytes + dense_bytes, "container_expert_bytes": e_bytes,
-               "container_dense_bytes": dense_bytes, "gguf_bytes": gguf_path.stat().st_size, "cap_bytes": cap,
+               "container_dense_bytes": dense_bytes, "container_by_role": sizes, "reserve_bytes": reserve,
+               "gguf_bytes": gguf_path.stat().st_size, "cap_bytes": cap,
                "expert_share": args.expert_share, "disk": disk, **bandwidth, "q4_0_differs_from_gguf_py": agreement,
                "prepare_s": prepare_s, "runs": []}
     group = sb.CappedGroup(cap, "geometry")
@@ -806,21 +835,31 @@ def median_of(runs: list[dict]) -> dict | None:
 
 
 def colibri_split(run: dict, cfg: dict) -> dict:
-    """Per decode token: the MoE share per MoE layer (I/O wait + expert matmuls) and the rest, from done.decode."""
+    """Per decode token: the routed-expert time per MoE layer (I/O wait + expert matmuls, from done.decode) and
+    the rest (attention, dense and shared MLPs, routers, LM head)."""
     d = run.get("decode") or run
     steps = max(1, d.get("steps", DECODE_TOKENS))
     n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     moe_s = (d.get("io_wait_s", 0) + d.get("expert_s", 0)) / steps
-    total = decode_ms(run) / 1000
-    return {"moe_layer_ms": 1000 * moe_s / n_moe, "rest_ms": 1000 * (total - moe_s),
-            "attention_layer_ms": 1000 * d.get("attention_s", 0) / steps / cfg["num_hidden_layers"],
+    return {"moe_layer_ms": 1000 * moe_s / n_moe, "rest_ms": decode_ms(run) - 1000 * moe_s,
             "bytes_per_token": d.get("bytes_read", 0) / steps, "hit_rate": float(d.get("hit_rate", 0))}
+
+
+def missing_rest_ms(results: dict, rest_ms: float) -> float:
+    """The non-expert time the layers cut away would add, at the measured rate per byte of resident weights (decode
+    matmuls stream their weights from RAM): 2 more dense layers and the missing MoE layers' attention, shared
+    expert and router."""
+    cfg, by_role = results["config"], results["container_by_role"]
+    n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    touched = by_role["other"] - by_role["embedding"]     # the embedding is one row per token
+    missing = (FULL_DEPTH - FULL_MOE - cfg["first_k_dense_replace"]) * by_role["dense_layer"] + \
+        (FULL_MOE - n_moe) * by_role["moe_layer"]
+    return rest_ms * missing / touched
 
 
 def summarize(results: dict) -> dict:
     cfg = results["config"]
     n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-    n_layers = cfg["num_hidden_layers"]
     runs = results["runs"]
     col = median_of([r for r in runs if r["engine"] == "colibri"])
     per_ra = {ra: median_of([r for r in runs if r["engine"] == "llama.cpp" and r["readahead_kb"] == ra])
@@ -830,23 +869,18 @@ def summarize(results: dict) -> dict:
     bw = results["disk_bandwidth"]
     if col:
         split = colibri_split(col, cfg)
-        # 61 layers: the measured token plus the missing layers' attention and MoE (the 2 further dense MLPs of the
-        # real model are left out: a slight underestimate of the time)
-        extra_moe, extra_layers = FULL_MOE - n_moe, FULL_DEPTH - n_layers
-        t61 = (decode_ms(col) + extra_moe * split["moe_layer_ms"] + extra_layers * split["attention_layer_ms"]) / 1e3
+        extra_moe, extra_rest = FULL_MOE - n_moe, missing_rest_ms(results, split["rest_ms"])
         routed = col["routed_bytes_per_token"] / n_moe * FULL_MOE
         miss = (1 - split["hit_rate"]) * routed
-        out["colibri_split"] = split
-        out["colibri_61_tps"] = 1 / t61
-        out["bound_61_tps"] = bw / miss if miss > 0 else None
-        out["routed_bytes_61"] = routed
+        out.update(colibri_split=split, missing_rest_ms=extra_rest, routed_bytes_61=routed,
+                   colibri_61_tps=1e3 / (decode_ms(col) + extra_moe * split["moe_layer_ms"] + extra_rest),
+                   bound_61_tps=bw / miss if miss > 0 else None)
         if llama:
-            # llama.cpp reports no phases: its non-MoE time is taken as colibri's (same dense work per token)
+            # llama.cpp reports no phases: its non-expert time per token is taken as colibri's
             l_moe = max(0.0, (decode_ms(llama) - split["rest_ms"]) / n_moe)
-            out["llama_moe_layer_ms"] = l_moe
-            out["llama_61_tps"] = 1e3 / (decode_ms(llama) + extra_moe * l_moe + extra_layers *
-                                         split["attention_layer_ms"])
-            out["llama_bytes_per_token"] = llama.get("bytes_read_decode", 0) / DECODE_TOKENS
+            out.update(llama_moe_layer_ms=l_moe,
+                       llama_61_tps=1e3 / (decode_ms(llama) + extra_moe * l_moe + extra_rest),
+                       llama_bytes_per_token=llama.get("bytes_read_decode", 0) / DECODE_TOKENS)
     return out
 
 
@@ -898,9 +932,10 @@ def report(results: dict) -> None:
                      f"{fmt(s.get('llama_61_tps'), '.3f')} | – |")
     lines += ["", "Per-MoE-layer time: colibri's I/O wait + expert matmuls per decode token (`done.decode`) over the "
               "MoE layers; llama.cpp reports no phases, so its figure is its decode time minus colibri's non-MoE "
-              "time, over the MoE layers. Extrapolation: the measured token plus, for the 61-layer model, "
-              f"{FULL_MOE - s['n_moe']} more MoE layers at that time and the missing layers' attention (the real "
-              "model's two further dense MLPs are left out). Disk bound: bandwidth / ((1 - hit rate) x routed "
+              "time, over the MoE layers. Extrapolation to the real 61 layers (3 dense, 58 MoE): the measured "
+              f"token plus {FULL_MOE - s['n_moe']} more MoE layers at that time plus the non-expert work of the "
+              "missing layers at the measured time per byte of resident weights "
+              f"({fmt(s.get('missing_rest_ms'), '.0f')} ms). Disk bound: bandwidth / ((1 - hit rate) x routed "
               "bytes per token of 58 MoE layers). Random weights route near uniformly, so the hit rate is about "
               "the cache's share of the experts; a trained model's skew would raise it.", ""]
     sb.write_section(ROOT / "docs" / "benchmarks.md", "geometry-bench", "\n".join(lines),
