@@ -490,6 +490,46 @@ def llama_sources() -> Path:
     return tree
 
 
+LLAMA_LITE = "llama-cpp-lite"     # under the bench cache: the sdist's Python package + its libraries
+
+
+def llama_env(llama: Path) -> dict[str, str]:
+    """What ``import llama_cpp`` needs in the runner: nothing when the wheel ``nox -s bench`` builds is installed;
+    else the sdist's own Python package beside ``libllama`` built from the same sdist with the wheel's CMake
+    options, library targets only (the wheel also builds llama.cpp's tools and common library, most of its
+    build time)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return {}
+    lite = sb.CACHE / LLAMA_LITE
+    lib = lite / "llama_cpp" / "lib"
+    if not (lib / "libllama.so").is_file():
+        sdist_root = llama.parents[1]
+        build = sb.CACHE / "llama-build"
+        log("building libllama from the llama-cpp-python sdist (library targets only)")
+        subprocess.run(["cmake", "-S", str(sdist_root), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_SERVER=OFF"], check=True, capture_output=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama", "-j", str(os.cpu_count() or 2)],
+                       check=True, capture_output=True)
+        install_lite(sdist_root, build / "bin", lite)
+    return {"PYTHONPATH": str(lite), "LD_LIBRARY_PATH": str(lib)}
+
+
+def install_lite(sdist_root: Path, built: Path, lite: Path) -> None:
+    """The sdist's ``llama_cpp`` package with the built shared libraries in its ``lib/``, as the wheel lays it out
+    (written beside, then renamed into place)."""
+    tmp = lite.with_name(lite.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(sdist_root / "llama_cpp", tmp / "llama_cpp")
+    (tmp / "llama_cpp" / "lib").mkdir(exist_ok=True)
+    for so in built.glob("lib*.so*"):
+        shutil.copy2(so, tmp / "llama_cpp" / "lib" / so.name, follow_symlinks=True)
+    shutil.rmtree(lite, ignore_errors=True)
+    os.replace(tmp, lite)
+
+
 def gguf_module(llama: Path):
     sys.path.insert(0, str(llama / "gguf-py"))
     import gguf
@@ -681,10 +721,11 @@ def run_colibri(container: Path, cfg: dict, ram: int, group) -> dict:
     return stats
 
 
-def run_llama(gguf_path: Path, cfg: dict, group) -> dict:
+def run_llama(gguf_path: Path, cfg: dict, group, env: dict[str, str]) -> dict:
     prompt, forced = workload(cfg["vocab_size"])
     argv = [sys.executable, "-c", sb.LLAMA_RUNNER, str(gguf_path), json.dumps(prompt), json.dumps(forced)]
-    proc = subprocess.Popen(group.wrap(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(group.wrap(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
     with LoadWindow((proc.pid,)) as window:
         out, err = proc.communicate(timeout=7200)
     if proc.returncode != 0:
@@ -774,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf_job.join()
         if gguf_job.exitcode != 0:
             raise SystemExit(f"error: writing {gguf_path} failed (exit {gguf_job.exitcode})")
-    sb.ensure_llama_cpp()
+    runner_env = llama_env(llama)
     agreement = q4_agreement(llama, cfg)
     prepare_s = time.perf_counter() - t0
     if not args.keep_fp8:
@@ -816,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"round {r + 1}/{args.rounds}: {engine} readahead {ra} KiB, cap {cap / 2**30:.2f} GiB")
                 try:
                     stats = (run_colibri(container, cfg, int(cap * 0.9), group) if engine == "colibri"
-                             else run_llama(gguf_path, cfg, group))
+                             else run_llama(gguf_path, cfg, group, runner_env))
                 except Exception as exc:   # one failed run must not lose the others
                     stats = {"error": f"{type(exc).__name__}: {exc}"}
                 log(json.dumps(stats)[:300])
