@@ -735,26 +735,44 @@ def run_llama(gguf_path: Path, cfg: dict, group, env: dict[str, str]) -> dict:
     return stats
 
 
-def container_bytes(container: Path, cfg: dict) -> dict[str, int]:
-    """A container's bytes by role, from its shards' headers: routed experts, everything else, the embedding (only
-    gathered per token), and the non-expert weights of the dense layer 0 and of the first MoE layer."""
+def bytes_by_role(named: list[tuple[str, int]], cfg: dict) -> dict[str, int]:
+    """Container bytes by role: routed experts, everything else, the embedding (only gathered per token), and the
+    non-expert weights of the dense layer 0 and of the first MoE layer."""
     out = dict.fromkeys(("experts", "other", "embedding", "dense_layer", "moe_layer"), 0)
     moe_prefix = f"model.layers.{cfg['first_k_dense_replace']}."
-    for f in container.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            size = meta["data_offsets"][1] - meta["data_offsets"][0]
-            out["experts" if ".mlp.experts." in name else "other"] += size
-            if name.startswith("model.embed_tokens."):
-                out["embedding"] += size
-            elif name.startswith("model.layers.0."):
-                out["dense_layer"] += size
-            elif name.startswith(moe_prefix) and ".mlp.experts." not in name:
-                out["moe_layer"] += size
+    for name, size in named:
+        expert = ".mlp.experts." in name
+        out["experts" if expert else "other"] += size
+        if name.startswith("model.embed_tokens."):
+            out["embedding"] += size
+        elif name.startswith("model.layers.0."):
+            out["dense_layer"] += size
+        elif name.startswith(moe_prefix) and not expert:
+            out["moe_layer"] += size
     return out
+
+
+def container_sizes(src: Path, cfg: dict) -> dict[str, int]:
+    """What the container of ``src`` holds, by role, from the conversion's plan (the same with or without the
+    container on disk)."""
+    from colibri.convert.run import make_plan
+    from colibri.model import resolve_model
+
+    plan, _ = make_plan(resolve_model(str(src), None), "int4", "int4")
+    return bytes_by_role([(p.name, p.nbytes) for sh in plan.shards for it in sh.items for p in it.parts], cfg)
+
+
+def measure_disk(files: list[Path]) -> dict:
+    """Sequential O_DIRECT bandwidth on the benchmark's own files (the two largest), at queue depth 1 and with 4
+    readers, each after dropping the page cache; the bound uses the better."""
+    first, second = (sorted(files, key=lambda f: f.stat().st_size) * 2)[-2:]
+    sb.drop_caches()
+    qd1 = sb.disk_bandwidth(first)
+    sb.drop_caches()
+    qd4 = sb.disk_bandwidth(second, readers=4)
+    log(f"disk: {qd1 / 1e9:.2f} GB/s at queue depth 1, {qd4 / 1e9:.2f} GB/s with 4 readers")
+    return {"disk_bandwidth": max(qd1, qd4), "disk_bandwidth_qd1": qd1, "disk_bandwidth_4_readers": qd4,
+            "disk_measured_on": [first.name, second.name]}
 
 
 def free_bytes(path: Path) -> int:
@@ -775,6 +793,47 @@ def needed_bytes(cfg: dict, group_size: int) -> int:
     return int(max(converting, container + (fp8 + floats + experts) * 0.5625))
 
 
+def prepare(args, cfg: dict, tag: str) -> dict:
+    """Build what the selected engines need (cached); returns the paths and the preparation's checks."""
+    cache = sb.CACHE / "dsv3-trunc"
+    cache.mkdir(parents=True, exist_ok=True)
+    group_size = 16
+    src_dir, container, gguf_path = cache / f"{tag}-fp8", cache / f"{tag}-int4", cache / f"{tag}-q4_0.gguf"
+    want_colibri, want_llama = "colibri" in args.engines, "llama.cpp" in args.engines
+    if (want_colibri and not (container / "config.json").is_file()) or (want_llama and not gguf_path.is_file()):
+        need, free = needed_bytes(cfg, group_size), free_bytes(cache)
+        if need + (4 << 30) > free:
+            raise SystemExit(f"error: {tag} needs {need / 1e9:.1f} GB of disk (+4 GiB margin) under {cache}; "
+                             f"{free / 1e9:.1f} GB free (lower --moe-layers, or free space)")
+    t0 = time.perf_counter()
+    source = build_checkpoint(src_dir, cfg, group_size)
+    out: dict = {"container": container, "gguf": gguf_path, "container_by_role": container_sizes(src_dir, cfg)}
+    llama = llama_sources()
+    # The GGUF comes from the seeds, not from the source files: it is written beside the conversion, in a
+    # process of its own (the two share nothing but the checkpoint's headers).
+    gguf_job = None
+    if want_llama and not gguf_path.is_file():
+        gguf_job = multiprocessing.get_context("fork").Process(target=ensure_gguf,
+                                                                args=(llama, src_dir, cfg, gguf_path))
+        gguf_job.start()
+    if want_colibri:
+        ensure_container(src_dir, source, container)
+        out["container_matrices_checked"] = (check_container(container, cfg, 4, 3) if args.quick else
+                                             check_container(container, cfg, group_size, 1))
+        log(f"container: {out['container_matrices_checked']} expert matrices equal their regenerated source")
+    if gguf_job is not None:
+        gguf_job.join()
+        if gguf_job.exitcode != 0:
+            raise SystemExit(f"error: writing {gguf_path} failed (exit {gguf_job.exitcode})")
+    if want_llama:
+        out["runner_env"] = llama_env(llama)
+        out["q4_0_differs_from_gguf_py"] = q4_agreement(llama, cfg)
+    out["prepare_s"] = time.perf_counter() - t0
+    if not args.keep_fp8 and (container / "config.json").is_file() and gguf_path.is_file():
+        shutil.rmtree(src_dir)     # the FP8 shards are holes by now; the container and GGUF stay cached
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the scaled-down geometry (about a minute)")
@@ -782,72 +841,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of alternated runs (default 3)")
     ap.add_argument("--expert-share", type=float, default=0.25,
                     help="share of the routed experts the cap holds beyond the dense weights (default 0.25)")
+    ap.add_argument("--engines", default="colibri,llama.cpp",
+                    help="comma-separated engines to prepare and run (default colibri,llama.cpp)")
     ap.add_argument("--keep-fp8", action="store_true", help="keep the (sparse) FP8 checkpoint after the runs")
     args = ap.parse_args(argv)
+    args.engines = [e for e in args.engines.split(",") if e]
     if args.moe_layers < 1 or args.rounds < 1 or not 0 < args.expert_share < 1:
         ap.error("--moe-layers and --rounds must be >= 1 and --expert-share within (0, 1)")
+    if not args.engines or set(args.engines) - {"colibri", "llama.cpp"}:
+        ap.error("--engines: a comma-separated subset of colibri,llama.cpp")
     cfg = model_config(args.quick, args.moe_layers)
     tag = f"{'quick' if args.quick else 'full'}-{args.moe_layers}moe"
-    cache = sb.CACHE / "dsv3-trunc"
-    cache.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(exist_ok=True)
-    group_size = 16
-    src_dir, container, gguf_path = cache / f"{tag}-fp8", cache / f"{tag}-int4", cache / f"{tag}-q4_0.gguf"
-    if not (container / "config.json").is_file() or not gguf_path.is_file():
-        need, free = needed_bytes(cfg, group_size), free_bytes(cache)
-        if need + (4 << 30) > free:
-            raise SystemExit(f"error: {tag} needs {need / 1e9:.1f} GB of disk (+4 GiB margin) under {cache}; "
-                             f"{free / 1e9:.1f} GB free (lower --moe-layers, or free space)")
-    t0 = time.perf_counter()
-    source = build_checkpoint(src_dir, cfg, group_size)
-    llama = llama_sources()
-    # The GGUF comes from the seeds, not from the source files: it is written beside the conversion, in a
-    # process of its own (the two share nothing but the checkpoint's headers).
-    gguf_job = None
-    if not gguf_path.is_file():
-        gguf_job = multiprocessing.get_context("fork").Process(target=ensure_gguf,
-                                                                args=(llama, src_dir, cfg, gguf_path))
-        gguf_job.start()
-    ensure_container(src_dir, source, container)
-    checked = check_container(container, cfg, 4, 3) if args.quick else check_container(container, cfg, group_size, 1)
-    log(f"container: {checked} expert matrices equal their regenerated source")
-    if gguf_job is not None:
-        gguf_job.join()
-        if gguf_job.exitcode != 0:
-            raise SystemExit(f"error: writing {gguf_path} failed (exit {gguf_job.exitcode})")
-    runner_env = llama_env(llama)
-    agreement = q4_agreement(llama, cfg)
-    prepare_s = time.perf_counter() - t0
-    if not args.keep_fp8:
-        shutil.rmtree(src_dir)     # the FP8 shards are holes by now; the container and GGUF stay cached
-    sizes = container_bytes(container, cfg)
+    prep = prepare(args, cfg, tag)
+    container, gguf_path, sizes = prep["container"], prep["gguf"], prep["container_by_role"]
     e_bytes, dense_bytes = sizes["experts"], sizes["other"]
-    reserve = (128 if args.quick else 512) << 20     # the engine's own memory beyond weights
+    reserve = 512 << 20     # the engine's own memory beyond weights
     cap = int(dense_bytes + reserve + args.expert_share * e_bytes)
+    colibri_ram = int(cap * 0.9)
+    if args.quick:
+        # the quick model is smaller than a Python process running llama.cpp: the group gets room for that, and
+        # colibri's own budget (its planner's reserve is ~66 MiB) is what makes it stream
+        colibri_ram = int(dense_bytes + (68 << 20) + args.expert_share * e_bytes)
+        cap = max(cap, 1 << 30)
     disk = sb.root_disk()
     original_ra = int(sb.readahead_file(disk).read_text()) if sb.readahead_file(disk).is_file() else 0
+    files = [*container.glob("*.safetensors")] if "colibri" in args.engines else [gguf_path]
     # --quick is a smoke test that may run beside another benchmark: it leaves the machine-wide state (page
     # cache, the disk's readahead) alone, so its runs are warm and llama.cpp runs at the disk's readahead only
     touch_machine = not args.quick
     if touch_machine:
-        bandwidth = sb.measure_disk(container)
+        bandwidth = measure_disk(files)
     else:
-        largest = max(container.glob("*.safetensors"), key=lambda f: f.stat().st_size)
-        bw = sb.disk_bandwidth(largest)
-        bandwidth = {"disk_bandwidth": bw, "disk_bandwidth_qd1": bw, "disk_measured_on": container.name}
+        bw = sb.disk_bandwidth(max(files, key=lambda f: f.stat().st_size))
+        bandwidth = {"disk_bandwidth": bw, "disk_bandwidth_qd1": bw, "disk_measured_on": "largest file"}
     readaheads = sorted({128, original_ra}) if touch_machine else [original_ra]
-    results = {"machine": sb.machine(), "config": cfg, "tag": tag, "quick": args.quick,
+    results = {"machine": sb.machine(), "config": cfg, "tag": tag, "quick": args.quick, "engines": args.engines,
                "moe_layers": args.moe_layers, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
                "container_bytes": e_bytes + dense_bytes, "container_expert_bytes": e_bytes,
                "container_dense_bytes": dense_bytes, "container_by_role": sizes, "reserve_bytes": reserve,
-               "gguf_bytes": gguf_path.stat().st_size, "cap_bytes": cap,
-               "expert_share": args.expert_share, "disk": disk, **bandwidth, "q4_0_differs_from_gguf_py": agreement,
-               "container_matrices_checked": checked,
-               "prepare_s": prepare_s, "runs": []}
+               "colibri_ram_bytes": colibri_ram,
+               "gguf_bytes": gguf_path.stat().st_size if gguf_path.is_file() else None, "cap_bytes": cap,
+               "expert_share": args.expert_share, "disk": disk, **bandwidth,
+               **{k: v for k, v in prep.items() if k in ("q4_0_differs_from_gguf_py", "container_matrices_checked",
+                                                          "prepare_s")}, "runs": []}
     group = sb.CappedGroup(cap, "geometry")
     try:
         for r in range(args.rounds):
-            order = [("colibri", original_ra)] + [("llama.cpp", ra) for ra in readaheads]
+            order = [("colibri", original_ra)] * ("colibri" in args.engines) + \
+                [("llama.cpp", ra) for ra in readaheads] * ("llama.cpp" in args.engines)
             if r % 2:
                 order.reverse()
             for engine, ra in order:
@@ -856,8 +898,8 @@ def main(argv: list[str] | None = None) -> int:
                     sb.drop_caches()
                 log(f"round {r + 1}/{args.rounds}: {engine} readahead {ra} KiB, cap {cap / 2**30:.2f} GiB")
                 try:
-                    stats = (run_colibri(container, cfg, int(cap * 0.9), group) if engine == "colibri"
-                             else run_llama(gguf_path, cfg, group, runner_env))
+                    stats = (run_colibri(container, cfg, colibri_ram, group) if engine == "colibri"
+                             else run_llama(gguf_path, cfg, group, prep["runner_env"]))
                 except Exception as exc:   # one failed run must not lose the others
                     stats = {"error": f"{type(exc).__name__}: {exc}"}
                 log(json.dumps(stats)[:300])
@@ -869,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         group.close()
     report(results)
     os.sync()
-    log(f"disk free after: {free_bytes(cache) / 1e9:.1f} GB")
+    log(f"disk free after: {free_bytes(sb.CACHE) / 1e9:.1f} GB")
     return 0
 
 
@@ -917,6 +959,9 @@ def summarize(results: dict) -> dict:
     llama = max((r for r in per_ra.values() if r), key=lambda r: r["decode_tps"], default=None)
     out: dict = {"n_moe": n_moe, "colibri": col, "llama": llama, "llama_by_readahead": per_ra}
     bw = results["disk_bandwidth"]
+    if llama:
+        out["llama_bytes_per_token"] = llama.get("bytes_read_decode", 0) / DECODE_TOKENS
+        out["llama_token_over_moe_ms"] = decode_ms(llama) / n_moe   # an upper bound of its per-MoE-layer time
     if col:
         split = colibri_split(col, cfg)
         extra_moe, extra_rest = FULL_MOE - n_moe, missing_rest_ms(results, split["rest_ms"])
@@ -929,8 +974,7 @@ def summarize(results: dict) -> dict:
             # llama.cpp reports no phases: its non-expert time per token is taken as colibri's
             l_moe = max(0.0, (decode_ms(llama) - split["rest_ms"]) / n_moe)
             out.update(llama_moe_layer_ms=l_moe,
-                       llama_61_tps=1e3 / (decode_ms(llama) + extra_moe * l_moe + extra_rest),
-                       llama_bytes_per_token=llama.get("bytes_read_decode", 0) / DECODE_TOKENS)
+                       llama_61_tps=1e3 / (decode_ms(llama) + extra_moe * l_moe + extra_rest))
     return out
 
 
@@ -977,7 +1021,8 @@ def report(results: dict) -> None:
                      f"{fmt(s.get('colibri_61_tps'), '.3f')} | {fmt(s.get('bound_61_tps'), '.3f')} |")
     if llama:
         lines.append(f"| llama.cpp Q4_0 (readahead {llama['readahead_kb']} KiB) | {llama['decode_tps']:.3f} | "
-                     f"{fmt(s.get('llama_moe_layer_ms'), '.0f')} | {s['llama_bytes_per_token'] / 1e6:.0f} MB | – | "
+                     f"{fmt(s.get('llama_moe_layer_ms', s['llama_token_over_moe_ms']), '.0f')} | "
+                     f"{s['llama_bytes_per_token'] / 1e6:.0f} MB | – | "
                      f"{llama['load_average']:.1f} | {100 * llama['other_cpu_share']:.0f}% | "
                      f"{fmt(s.get('llama_61_tps'), '.3f')} | – |")
     lines += ["", "Per-MoE-layer time: colibri's I/O wait + expert matmuls per decode token (`done.decode`) over the "
