@@ -28,7 +28,9 @@ cached under ``$COLIBRI_BENCH_CACHE/dsv3-trunc`` (default ``~/.cache/colibri/ben
    steps.
 
 Writes ``bench-results/geometry_bench.json`` and its own section of ``docs/benchmarks.md``. ``--quick`` runs the
-same pipeline on a scaled-down geometry in about a minute.
+same pipeline on a scaled-down geometry in a few minutes (``bench-results/geometry_bench_quick.json`` only; it
+leaves the page cache and readahead alone, and its cap binds only colibri's own budget). ``--engines`` prepares
+and runs one engine alone.
 """
 
 from __future__ import annotations
@@ -904,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
                     stats = {"error": f"{type(exc).__name__}: {exc}"}
                 log(json.dumps(stats)[:300])
                 results["runs"].append({"engine": engine, "round": r, "readahead_kb": ra, **stats})
-                (RESULTS / "geometry_bench.json").write_text(json.dumps(results, indent=1, default=str))
+                results_file(results).write_text(json.dumps(results, indent=1, default=str))
     finally:
         if touch_machine:
             sb.set_readahead(disk, original_ra)
@@ -978,6 +980,11 @@ def summarize(results: dict) -> dict:
     return out
 
 
+def results_file(results: dict) -> Path:
+    """bench-results/geometry_bench.json (geometry_bench_quick.json for --quick, which never replaces it)."""
+    return RESULTS / ("geometry_bench_quick.json" if results["quick"] else "geometry_bench.json")
+
+
 def fmt(v, spec=".2f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -985,7 +992,7 @@ def fmt(v, spec=".2f") -> str:
 def report(results: dict) -> None:
     s = summarize(results)
     results["summary"] = s
-    (RESULTS / "geometry_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    results_file(results).write_text(json.dumps(results, indent=1, default=str))
     if results["quick"]:
         log("quick run: docs/benchmarks.md left as it is")
         log(json.dumps({k: v for k, v in s.items() if k not in ("colibri", "llama", "llama_by_readahead")},
@@ -1025,6 +1032,8 @@ def report(results: dict) -> None:
                      f"{s['llama_bytes_per_token'] / 1e6:.0f} MB | – | "
                      f"{llama['load_average']:.1f} | {100 * llama['other_cpu_share']:.0f}% | "
                      f"{fmt(s.get('llama_61_tps'), '.3f')} | – |")
+    if not col:
+        lines.append("| colibri int4-g64 | not run in this session (see below) | | | | | | | |")
     lines += ["", "Per-MoE-layer time: colibri's I/O wait + expert matmuls per decode token (`done.decode`) over the "
               "MoE layers; llama.cpp reports no phases, so its figure is its decode time minus colibri's non-MoE "
               "time, over the MoE layers. Extrapolation to the real 61 layers (3 dense, 58 MoE): the measured "
