@@ -136,15 +136,26 @@ def fp8_scales(name: str, rows: int, cols: int, fan_in: int) -> np.ndarray:
     return (jitter * (fan_in ** -0.5 / _code_rms())).astype(np.float32)
 
 
-def bf16_bits(name: str, count: int, rms: float) -> np.ndarray:
-    """bf16 bit patterns with random sign and mantissa and an exponent within 4 octaves around ``rms``."""
-    r = np.frombuffer(bytearray(_rng(name).bytes(2 * count)), dtype="<u2")
+BF16_ROWS = 2048     # bf16 matrices are drawn in blocks of rows, each from its own stream, so a part is cheap
+
+
+def bf16_rows(name: str, shape: tuple[int, int], rms: float, r0: int = 0, r1: int | None = None) -> np.ndarray:
+    """Rows [r0, r1) of a bf16 matrix as bit patterns: random sign and mantissa, an exponent within 4 octaves
+    around ``rms``."""
+    rows, cols = shape
+    r1 = rows if r1 is None else r1
     base = 127 + int(math.floor(math.log2(rms))) - 2
-    exponent = (r >> 7) & 3
-    exponent += base
-    r &= 0x807F
-    r |= exponent << 7
-    return r
+    out = []
+    for b in range(r0 // BF16_ROWS, -(-r1 // BF16_ROWS)):
+        lo, hi = b * BF16_ROWS, min(rows, (b + 1) * BF16_ROWS)
+        r = np.frombuffer(bytearray(_rng(name, 16 + b).bytes(2 * (hi - lo) * cols)), dtype="<u2")
+        r = r.reshape(hi - lo, cols)
+        exponent = (r >> 7) & 3
+        exponent += base
+        r &= 0x807F
+        r |= exponent << 7
+        out.append(r[max(r0, lo) - lo:min(r1, hi) - lo])
+    return np.concatenate(out) if len(out) > 1 else out[0]
 
 
 def norm_bits(name: str, count: int) -> np.ndarray:
@@ -178,7 +189,7 @@ class Tensor:
         if self.kind == "fp8_scale":
             return fp8_scales(self.name[:-len("_scale_inv")], *self.weight_shape, self.fan_in)
         if self.kind == "bf16":
-            return bf16_bits(self.name, math.prod(self.shape), self.rms)
+            return bf16_rows(self.name, self.shape, self.rms)
         if self.kind == "norm":
             return norm_bits(self.name, math.prod(self.shape))
         return (_rng(self.name).standard_normal(self.shape) * 0.01).astype(np.float32)
@@ -552,8 +563,17 @@ runpy.run_path({llama!r} + '/convert_hf_to_gguf.py', run_name='__main__')
 """
 
 
-def gguf_plan(gguf, cfg: dict) -> list[tuple[str, tuple[int, ...], str, object]]:
-    """(GGUF name, numpy shape, 'q4_0' | 'f32', producer of numpy chunks) in the order convert_hf_to_gguf emits."""
+def q4_bytes(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) // 32 * 18
+
+
+# (GGUF name, numpy shape, "q4_0" | "f32", parts): each part (bytes, callable returning that many bytes as numpy)
+GgufTensor = tuple[str, tuple[int, ...], str, list[tuple[int, object]]]
+
+
+def gguf_plan(gguf, cfg: dict) -> list[GgufTensor]:
+    """Every tensor in the order convert_hf_to_gguf emits them, each cut into independent parts (an expert, a
+    stretch of embedding rows) that a pool of processes can produce in any order."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg["num_hidden_layers"])
     heads, nope, vdim, kvr = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"],
                               cfg["kv_lora_rank"])
@@ -566,78 +586,89 @@ def gguf_plan(gguf, cfg: dict) -> list[tuple[str, tuple[int, ...], str, object]]
             raise RuntimeError(f"no GGUF name for {hf}")
         return got
 
-    def fp8(hf: str):
+    def fp8(hf: str) -> GgufTensor:
         t = by_name[hf]
-        return lambda: [q4_0_of_fp8(t.data(), by_name[hf + "_scale_inv"].data())]
+        return gname(hf), t.shape, "q4_0", [(q4_bytes(t.shape), lambda: q4_0_of_fp8(
+            t.data(), by_name[hf + "_scale_inv"].data()))]
 
-    def floats(hf: str):
+    def floats(hf: str) -> GgufTensor:
         t = by_name[hf]
         if t.dtype == "BF16":
-            return lambda: [(t.data().astype(np.uint32) << 16).view(np.float32).reshape(t.shape)]
-        return lambda: [t.data()]
+            return gname(hf), t.shape, "f32", [(4 * math.prod(t.shape), lambda: (
+                t.data().astype(np.uint32) << 16).view(np.float32))]
+        return gname(hf), t.shape, "f32", [(4 * math.prod(t.shape), t.data)]
 
-    def bf16_q4(hf: str):
+    def bf16_q4(hf: str, name: str) -> GgufTensor:
         t = by_name[hf]
+        rows, cols = t.shape
+        step = BF16_ROWS
 
-        def chunks():
-            rows = t.shape[0]
-            step = max(1, (1 << 24) // t.shape[1])
-            bits = t.data().reshape(t.shape)
-            for r in range(0, rows, step):
-                x = (bits[r:r + step].astype(np.uint32) << 16).view(np.float32)
-                yield gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0)
-        return chunks
+        def part(r: int):
+            bits = bf16_rows(t.name, t.shape, t.rms, r, min(rows, r + step))
+            return gguf.quants.quantize((bits.astype(np.uint32) << 16).view(np.float32),
+                                        gguf.GGMLQuantizationType.Q4_0)
+        return name, t.shape, "q4_0", [(q4_bytes((min(step, rows - r), cols)), functools.partial(part, r))
+                                       for r in range(0, rows, step)]
 
-    def kv_b(hf: str, part: str):
+    def kv_b(hf: str, part: str, name: str) -> GgufTensor:
+        shape = (heads, kvr, nope) if part == "k" else (heads, vdim, kvr)
+
         def make():
             x = dequantize(by_name[hf].data(), by_name[hf + "_scale_inv"].data()).reshape(heads, nope + vdim, kvr)
-            k_b, v_b = x[:, :nope], x[:, nope:]
-            y = np.ascontiguousarray(k_b.transpose(0, 2, 1) if part == "k" else v_b)
-            return [gguf.quants.quantize(y, gguf.GGMLQuantizationType.Q4_0)]
-        return make
+            y = np.ascontiguousarray(x[:, :nope].transpose(0, 2, 1) if part == "k" else x[:, nope:])
+            return gguf.quants.quantize(y, gguf.GGMLQuantizationType.Q4_0)
+        return name, shape, "q4_0", [(q4_bytes(shape), make)]
 
-    def experts(layer: int, which: int):
-        def chunks():
-            for e in range(cfg["n_routed_experts"]):
-                name = expert_names(layer, e)[which]
-                rows, cols = ((cfg["moe_intermediate_size"], cfg["hidden_size"]) if which < 2 else
-                              (cfg["hidden_size"], cfg["moe_intermediate_size"]))
-                yield q4_0_of_fp8(fp8_codes(name, rows, cols), fp8_scales(name, rows, cols, cols))
-        return chunks
+    def experts(layer: int, which: int, name: str) -> GgufTensor:
+        E, H, moe = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+        rows, cols = (moe, H) if which < 2 else (H, moe)
 
-    plan = [("token_embd.weight", by_name["model.embed_tokens.weight"].shape, "q4_0",
-             bf16_q4("model.embed_tokens.weight"))]
+        def part(e: int):
+            weight = expert_names(layer, e)[which]
+            return q4_0_of_fp8(fp8_codes(weight, rows, cols), fp8_scales(weight, rows, cols, cols))
+        return name, (E, rows, cols), "q4_0", [(q4_bytes((rows, cols)), functools.partial(part, e)) for e in range(E)]
+
+    plan = [bf16_q4("model.embed_tokens.weight", "token_embd.weight")]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        for hf in (f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
-                   f"{p}.self_attn.q_a_layernorm.weight", f"{p}.self_attn.kv_a_layernorm.weight"):
-            plan.append((gname(hf), by_name[hf].shape, "f32", floats(hf)))
-        for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
-            hf = f"{p}.self_attn.{proj}.weight"
-            plan.append((gname(hf), by_name[hf].shape, "q4_0", fp8(hf)))
+        plan += [floats(f"{p}.{n}.weight") for n in ("input_layernorm", "post_attention_layernorm",
+                                                      "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")]
+        plan += [fp8(f"{p}.self_attn.{proj}.weight") for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                                   "o_proj")]
         kv = f"{p}.self_attn.kv_b_proj.weight"
-        plan.append((gname(f"{p}.self_attn.k_b_proj.weight"), (heads, kvr, nope), "q4_0", kv_b(kv, "k")))
-        plan.append((gname(f"{p}.self_attn.v_b_proj.weight"), (heads, vdim, kvr), "q4_0", kv_b(kv, "v")))
+        plan += [kv_b(kv, "k", gname(f"{p}.self_attn.k_b_proj.weight")),
+                 kv_b(kv, "v", gname(f"{p}.self_attn.v_b_proj.weight"))]
         if layer < cfg["first_k_dense_replace"]:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                hf = f"{p}.mlp.{proj}.weight"
-                plan.append((gname(hf), by_name[hf].shape, "q4_0", fp8(hf)))
+            plan += [fp8(f"{p}.mlp.{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj")]
             continue
-        for hf in (f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"):
-            plan.append((gname(hf), by_name[hf].shape, "f32", floats(hf)))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            hf = f"{p}.mlp.shared_experts.{proj}.weight"
-            plan.append((gname(hf), by_name[hf].shape, "q4_0", fp8(hf)))
-        E, H, moe = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
-        for which, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-            shape = (E, moe, H) if which < 2 else (E, H, moe)
-            plan.append((gname(f"{p}.mlp.experts.{proj}.weight"), shape, "q4_0", experts(layer, which)))
-    plan.append(("output_norm.weight", by_name["model.norm.weight"].shape, "f32", floats("model.norm.weight")))
-    plan.append(("output.weight", by_name["lm_head.weight"].shape, "q4_0", bf16_q4("lm_head.weight")))
+        plan += [floats(f"{p}.mlp.gate.weight"), floats(f"{p}.mlp.gate.e_score_correction_bias")]
+        plan += [fp8(f"{p}.mlp.shared_experts.{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj")]
+        plan += [experts(layer, which, gname(f"{p}.mlp.experts.{proj}.weight"))
+                 for which, proj in enumerate(("gate_proj", "up_proj", "down_proj"))]
+    plan += [floats("model.norm.weight"), bf16_q4("lm_head.weight", "output.weight")]
     return plan
 
 
+_GGUF_TASKS: list[tuple[int, int, object]] = []     # (offset, bytes, producer); inherited by the forked pool
+
+
+def _write_part(task: tuple[str, int]) -> int:
+    path, i = task
+    offset, nbytes, make = _GGUF_TASKS[i]
+    data = np.ascontiguousarray(make())
+    if data.nbytes != nbytes:
+        raise RuntimeError(f"GGUF part {i}: {data.nbytes} bytes, planned {nbytes}")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data.tobytes(), offset)
+    finally:
+        os.close(fd)
+    return nbytes
+
+
 def ensure_gguf(llama: Path, src: Path, cfg: dict, out: Path) -> Path:
+    """The GGUF: metadata from the sdist's converter (--vocab-only), tensor data produced by a pool of processes
+    (one per core), each part written at its place; the file appears under its name only when whole."""
     if out.is_file():
         return out
     gguf = gguf_module(llama)
@@ -654,29 +685,33 @@ def ensure_gguf(llama: Path, src: Path, cfg: dict, out: Path) -> Path:
         writer.add_key_value(field.name, field.contents(), vtype, sub)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     plan = gguf_plan(gguf, cfg)
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    for name, shape, kind, _ in plan:
-        if kind == "q4_0":
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), math.prod(shape) // 32 * 18, raw_dtype=q4)
-        else:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), math.prod(shape) * 4)
+    for name, shape, kind, parts in plan:
+        nbytes = sum(n for n, _ in parts)
+        assert nbytes == (q4_bytes(shape) if kind == "q4_0" else 4 * math.prod(shape)), name
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes,
+                               raw_dtype=gguf.GGMLQuantizationType.Q4_0 if kind == "q4_0" else None)
     tmp = out.with_suffix(".tmp")
     writer.write_header_to_file(path=tmp)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    writer.write_padding(fout, fout.tell())
-    t = time.perf_counter()
-    for name, shape, kind, make in plan:
-        written = 0
-        for chunk in make():
-            data = np.ascontiguousarray(chunk, dtype=np.uint8 if kind == "q4_0" else np.float32)
-            fout.write(data.tobytes())
-            written += data.nbytes
-        expect = math.prod(shape) // 32 * 18 if kind == "q4_0" else math.prod(shape) * 4
-        assert written == expect, (name, written, expect)
-        writer.write_padding(fout, written)
+    offset = writer.ggml_pad(fout.tell(), writer.data_alignment)
+    _GGUF_TASKS.clear()
+    for _, _, _, parts in plan:
+        start = offset
+        for nbytes, make in parts:
+            _GGUF_TASKS.append((offset, nbytes, make))
+            offset += nbytes
+        offset = start + writer.ggml_pad(offset - start, writer.data_alignment)
     writer.close()
+    os.truncate(tmp, offset)
+    t = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 2) as pool:
+        for _ in pool.imap_unordered(_write_part, [(str(tmp), i) for i in range(len(_GGUF_TASKS))]):
+            pass
+    fd = os.open(tmp, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
     os.replace(tmp, out)
     vocab.unlink()
     log(f"GGUF Q4_0: {out.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
