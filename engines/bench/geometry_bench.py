@@ -1077,6 +1077,16 @@ def report(results: dict) -> None:
               f"({fmt(s.get('missing_rest_ms'), '.0f')} ms). Disk bound: bandwidth / ((1 - hit rate) x routed "
               "bytes per token of 58 MoE layers). Random weights route near uniformly, so the hit rate is about "
               "the cache's share of the experts; a trained model's skew would raise it.", ""]
+    lines += ["Every run, in the order made:", "", "| round | engine | readahead KiB | prefill tok/s | decode tok/s | "
+              "read per decode token | load avg | other CPU |", "|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        read = ((r.get("decode") or {}).get("bytes_read", 0) / max(1, (r.get("decode") or {}).get("steps", 1))
+                if r["engine"] == "colibri" else r.get("bytes_read_decode", 0) / DECODE_TOKENS)
+        lines.append(f"| {r['round'] + 1} | {r['engine']} | {r['readahead_kb']} | {fmt(r.get('prefill_tps'), '.1f')} | "
+                     f"{fmt(r.get('decode_tps'), '.3f')} | {read / 1e6:.0f} MB | {fmt(r.get('load_average'), '.1f')} | "
+                     f"{100 * r.get('other_cpu_share', 0):.0f}% |" if "error" not in r else
+                     f"| {r['round'] + 1} | {r['engine']} | {r['readahead_kb']} | failed: {r['error'][:120]} | | | | |")
+    lines.append("")
     sb.write_section(ROOT / "docs" / "benchmarks.md", "geometry-bench", "\n".join(lines),
                      title="Real expert geometry: DeepSeek-V3 truncated, streamed under a RAM cap")
 
