@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stream_bench as sb  # noqa: E402
-from machine_load import LoadWindow  # noqa: E402
+import stream_bench as sb
+from machine_load import LoadWindow
 
 ROOT, RESULTS = sb.ROOT, sb.RESULTS
 SEED = 2024
