@@ -515,6 +515,9 @@ def llama_env(llama: Path) -> dict[str, str]:
 
     if importlib.util.find_spec("llama_cpp") is not None:
         return {}
+    missing = [m for m in ("diskcache", "jinja2", "typing_extensions") if importlib.util.find_spec(m) is None]
+    if missing:     # the wheel's own dependencies (numpy is there)
+        subprocess.run([sys.executable, "-m", "pip", "install", *(m.replace("_", "-") for m in missing)], check=True)
     lite = sb.CACHE / LLAMA_LITE
     lib = lite / "llama_cpp" / "lib"
     if not (lib / "libllama.so").is_file():
