@@ -1071,7 +1071,7 @@ def report(results: dict) -> None:
                      f"{llama['load_average']:.1f} | {100 * llama['other_cpu_share']:.0f}% | "
                      f"{fmt(s.get('llama_61_tps'), '.3f')} | – |")
     if not col:
-        lines.append("| colibri int4-g64 | not run in this session (see below) | | | | | | | |")
+        lines.append("| colibri int4-g64 | not run | | | | | | | |")
     lines += ["", "Per-MoE-layer time: colibri's I/O wait + expert matmuls per decode token (`done.decode`) over the "
               "MoE layers; llama.cpp reports no phases, so its figure is its decode time minus colibri's non-MoE "
               "time, over the MoE layers. Extrapolation to the real 61 layers (3 dense, 58 MoE): the measured "
@@ -1080,6 +1080,12 @@ def report(results: dict) -> None:
               f"({fmt(s.get('missing_rest_ms'), '.0f')} ms). Disk bound: bandwidth / ((1 - hit rate) x routed "
               "bytes per token of 58 MoE layers). Random weights route near uniformly, so the hit rate is about "
               "the cache's share of the experts; a trained model's skew would raise it.", ""]
+    if "colibri" not in results.get("engines", ["colibri"]):
+        lines += ["This run measured llama.cpp alone (`--engines llama.cpp`): colibri's container of this checkpoint "
+                  "was not converted in its time, so the colibri row, the per-MoE-layer split and the "
+                  "extrapolations (which take the non-expert time from colibri's phases) come with the next "
+                  "full `nox -s bench_geometry` run, which reuses the cached GGUF. llama.cpp's per-MoE-layer figure "
+                  "here is its whole decode time over the MoE layers (an upper bound).", ""]
     lines += ["Every run, in the order made:", "", "| round | engine | readahead KiB | prefill tok/s | decode tok/s | "
               "read per decode token | load avg | other CPU |", "|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
