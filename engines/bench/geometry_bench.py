@@ -761,9 +761,24 @@ def run_colibri(container: Path, cfg: dict, ram: int, group) -> dict:
     return stats
 
 
+# llama.cpp's CPU backend repacks Q4_0 weights into its own layout at load (extra buffer types), which copies every
+# weight into anonymous memory: under a cap below the model that is an OOM kill. `--no-repack` (use_extra_bufts
+# false) keeps the weights in the mmap, as a llama.cpp user streaming a model larger than RAM must.
+NO_REPACK = """
+import llama_cpp.llama_cpp as _c
+_defaults = _c.llama_model_default_params
+def _no_repack():
+    params = _defaults()
+    params.use_extra_bufts = False
+    return params
+_c.llama_model_default_params = _no_repack
+"""
+
+
 def run_llama(gguf_path: Path, cfg: dict, group, env: dict[str, str]) -> dict:
     prompt, forced = workload(cfg["vocab_size"])
-    argv = [sys.executable, "-c", sb.LLAMA_RUNNER, str(gguf_path), json.dumps(prompt), json.dumps(forced)]
+    argv = [sys.executable, "-c", NO_REPACK + sb.LLAMA_RUNNER, str(gguf_path), json.dumps(prompt),
+            json.dumps(forced)]
     proc = subprocess.Popen(group.wrap(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})
     with LoadWindow((proc.pid,)) as window:
