@@ -46,6 +46,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -781,8 +782,18 @@ def run_llama(gguf_path: Path, cfg: dict, group, env: dict[str, str]) -> dict:
             json.dumps(forced)]
     proc = subprocess.Popen(group.wrap(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})
+    streams: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda k=k, f=f: streams.__setitem__(k, f.read()))
+               for k, f in (("out", proc.stdout), ("err", proc.stderr))]
     with LoadWindow((proc.pid,)) as window:
-        out, err = proc.communicate(timeout=7200)
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(7200)
+        # the window closes while the runner is an unreaped zombie: its CPU ticks are still readable
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    proc.wait()
+    out, err = streams.get("out", ""), streams.get("err", "")
     if proc.returncode != 0:
         return {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"}
     stats = json.loads(out.strip().splitlines()[-1])
