@@ -940,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = measure_disk(files)
     else:
         bw = sb.disk_bandwidth(max(files, key=lambda f: f.stat().st_size))
-        bandwidth = {"disk_bandwidth": bw, "disk_bandwidth_qd1": bw, "disk_measured_on": "largest file"}
+        bandwidth = {"disk_bandwidth": bw, "disk_bandwidth_qd1": bw, "disk_measured_on": ["its largest file"]}
     readaheads = sorted({128, original_ra}) if touch_machine else [original_ra]
     results = {"machine": sb.machine(), "config": cfg, "tag": tag, "quick": args.quick, "engines": args.engines,
                "moe_layers": args.moe_layers, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
@@ -1072,11 +1072,12 @@ def report(results: dict) -> None:
              "random block-FP8 weights (e4m3, 128x128 `weight_scale_inv`, like the release) generated shard by "
              "shard, converted by `coli convert --experts int4 --dense int4` (dense FP8 matrices stay FP8, read "
              "natively; experts int4-g64) and written as llama.cpp `deepseek2` Q4_0 GGUF from the same weights. "
-             f"Container {results['container_bytes'] / 1e9:.2f} GB (experts "
+             f"colibri's container {results['container_bytes'] / 1e9:.2f} GB (experts "
              f"{results['container_expert_bytes'] / 1e9:.2f} GB), GGUF {results['gguf_bytes'] / 1e9:.2f} GB.", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM. Disk "
              f"`{results['disk']}` {results['disk_bandwidth'] / 1e9:.2f} GB/s (sequential O_DIRECT, best of queue "
-             "depth 1 and 4 readers, on the container's shards, same run). Cap: a cgroup v1 memory limit of "
+             "depth 1 and 4 readers, on the benchmark's own files "
+             f"{', '.join(dict.fromkeys(results['disk_measured_on']))}, same run). Cap: a cgroup v1 memory limit of "
              f"{results['cap_bytes'] / 2**30:.2f} GiB = colibri's dense weights + 0.5 GiB + "
              f"{100 * results['expert_share']:.0f}% of its routed experts (colibri plans for 90% of it; llama.cpp's "
              "smaller Q4_0 dense part leaves its page cache more room). Every run cold (page cache dropped); "
@@ -1127,4 +1128,7 @@ def report(results: dict) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--report"]:     # rewrite the docs section from the saved results (no engine is run)
+        report(json.loads((RESULTS / "geometry_bench.json").read_text()))
+        sys.exit(0)
     sys.exit(main())
