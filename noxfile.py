@@ -213,6 +213,18 @@ def bench_cluster(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_geometry(session: nox.Session) -> None:
+    """colibri vs llama.cpp at DeepSeek-V3 / Kimi K2 expert geometry, truncated in depth (the dense first layer plus
+    `--moe-layers` MoE layers at full width, 256 experts top-8, FP8 source converted to int4-g64; Q4_0 GGUF), under
+    one RAM cap: per-MoE-layer decode time, bytes read, hit rate, extrapolated to 61 layers beside the disk bound
+    (slow, never default; root for the cgroup cap, drop_caches and readahead; the cache under
+    ~/.cache/colibri/bench/dsv3-trunc peaks at ~16 GB for one MoE layer, ~28 GB for two). `-- --quick` runs the
+    scaled-down geometry in about a minute."""
+    install_everything(session)
+    session.run("python", str(ROOT / "engines" / "bench" / "geometry_bench.py"), *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
 
