@@ -5,7 +5,8 @@ Sections, as docs/architecture.md's "Writing a family" orders a recipe: ``struct
 (``cb_hp_spec`` tables), ``tensors`` (``cb_tensor_spec`` tables), ``scratch`` (``cb_scratch_spec``), ``load``
 (the load-time hooks and what only they call: setup, finish, load_layer, the frees), ``forward`` (what the
 forward pass runs: the recipe's mixer / FFN hooks or the family's own forward, and every function they call),
-``glue`` (the recipe, the ``cb_family`` vtable, the load wrapper and ``main``). Code lines are counted as
+``glue`` (the recipe, the ``cb_family`` vtable, the load wrapper and ``main``, or the ``CB_DECODER_ENGINE``
+macro that spells all four). Code lines are counted as
 tools/repeated_lines.py counts them (comments and blank lines dropped). A top-level function no section reaches
 is ``other``. Prints one line per file; ``--check`` exits 1 when a file's forward section is not its largest.
 
@@ -56,7 +57,7 @@ def classify(chunk: list[str]) -> str:
                        ("glue", "cb_recipe"), ("glue", "cb_family")):
         if word in head:
             return kind
-    if head.startswith("int main"):
+    if head.startswith("int main") or head.startswith("CB_DECODER_ENGINE("):
         return "glue"
     return "function"
 
