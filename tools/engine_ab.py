@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B the OLMoE engine built from two revisions, alternated round by round on one in-RAM synthetic checkpoint.
+"""A/B a family engine built from two revisions, alternated round by round on one checkpoint (default: OLMoE).
 
 For a refactor that must not cost speed ("within noise") on a shared machine where a full ``nox -s bench`` is too
 long: both binaries are built here from ``git archive`` of each revision (runtime + olmoe.c, colibri.compiler's
@@ -9,10 +9,14 @@ how loaded the machine was; the summary is each side's median, the B/A ratio of 
 the per-round B/A ratios (A and B of a round ran back to back), per phase.
 
     .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4]
+    .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 --engine colibri-qwen/src/colibri_qwen/engine/qwen.c \
+        --model DIR
 
-The checkpoint is the bench's OLMoE geometry (engines/bench/stream_bench.py) at a reduced size, cached under
-``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository. Prints one JSON line per run
-and a summary; writes nothing else. Not a test: it asserts nothing about speed.
+``--engine`` names another family's C source (built with the files of its folder) and ``--model`` the checkpoint
+it runs (a directory its plugin resolves, e.g. ``colibri.testing.tiny.tiny_model(kind, root, hidden_size=512)``);
+without ``--model`` the checkpoint is the bench's OLMoE geometry (engines/bench/stream_bench.py) at a reduced
+size, cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository. Prints one
+JSON line per run and a summary; writes nothing else. Not a test: it asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -37,21 +41,23 @@ RUNTIME = "colibri-core/src/colibri/runtime"
 OLMOE = "colibri-olmoe/src/colibri_olmoe/engine/olmoe.c"
 
 
-def build(rev: str, out: Path) -> Path:
-    """The OLMoE engine of ``rev``, compiled as colibri's builder does (same flags, every runtime source)."""
+def build(rev: str, out: Path, engine: str = OLMOE) -> Path:
+    """The engine ``engine`` (a C source path in the repository) of ``rev``, compiled as colibri's builder does
+    (same flags, every runtime source, the engine folder's headers on the include path)."""
     from colibri.compiler import CFLAGS, find_compiler
 
     src = out / f"src-{rev}"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, RUNTIME, OLMOE], check=True,
+    folder = str(Path(engine).parent)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, RUNTIME, folder], check=True,
                              capture_output=True).stdout
     with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
         tar.extractall(src, filter="data")
-    binary = out / f"colibri-olmoe-{rev}"
+    binary = out / f"colibri-{Path(engine).stem}-{rev}"
     runtime = src / RUNTIME
     cc = find_compiler()
-    subprocess.run([*cc.argv, *CFLAGS, f"-I{runtime}", *map(str, sorted(runtime.glob("*.c"))), str(src / OLMOE),
-                    "-o", str(binary), "-lm"], check=True)
+    subprocess.run([*cc.argv, *CFLAGS, f"-I{runtime}", f"-I{src / folder}", *map(str, sorted(runtime.glob("*.c"))),
+                    str(src / engine), "-o", str(binary), "-lm"], check=True)
     return binary
 
 
@@ -92,13 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="revision A (e.g. the branch point)")
     ap.add_argument("--head", default="HEAD", help="revision B (default HEAD)")
     geometry_args(ap, rounds=5, layers=4, experts=32, decode=16)
+    ap.add_argument("--engine", default=OLMOE, help="the family's C source, relative to the repository")
+    ap.add_argument("--model", type=Path, help="the checkpoint directory (default: the synthetic OLMoE one)")
     args = ap.parse_args(argv)
     g = use_geometry(args)
-    model = sb.CACHE / f"olmoe-ab-{g['layers']}l-{g['hidden']}h-{g['experts']}e"
-    sb.build_checkpoint(model, skew=False, experts_from=None)
-    prompt, forced = sb.workload(g["vocab"], locality=False)
+    if args.model:
+        model = args.model
+        vocab = json.loads((model / "config.json").read_text()).get("vocab_size") or g["vocab"]
+    else:
+        model = sb.CACHE / f"olmoe-ab-{g['layers']}l-{g['hidden']}h-{g['experts']}e"
+        sb.build_checkpoint(model, skew=False, experts_from=None)
+        vocab = g["vocab"]
+    prompt, forced = sb.workload(vocab, locality=False)
     with tempfile.TemporaryDirectory(prefix="engine-ab-") as tmp:
-        sides = {"A": build(args.base, Path(tmp)), "B": build(args.head, Path(tmp))}
+        sides = {"A": build(args.base, Path(tmp), args.engine), "B": build(args.head, Path(tmp), args.engine)}
         for binary in sides.values():   # one unmeasured run each: page cache warm, binaries paged in
             run_once(binary, model, prompt, forced)
         runs: dict[str, list[dict]] = {"A": [], "B": []}
@@ -119,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                           "paired_B_over_A_median": round(paired, 3),
                           "A_range": [round(v, 2) for v in spread["A"]], "B_range": [round(v, 2) for v in spread["B"]]}
     summary["load_avg_median"] = round(statistics.median(x["load_avg"] for s in runs for x in runs[s]), 2)
-    summary["geometry"] = dict(g, prompt=args.prompt, decode=args.decode)
+    summary["geometry"] = (dict(g, prompt=args.prompt, decode=args.decode) if not args.model else
+                           {"model": str(model), "engine": args.engine, "prompt": args.prompt, "decode": args.decode})
     print(json.dumps({"summary": summary, "A": args.base, "B": args.head}, indent=1))
     return 0
 

@@ -5,7 +5,8 @@ Sections, as docs/architecture.md's "Writing a family" orders a recipe: ``struct
 (``cb_hp_spec`` tables), ``tensors`` (``cb_tensor_spec`` tables), ``scratch`` (``cb_scratch_spec``), ``load``
 (the load-time hooks and what only they call: setup, finish, load_layer, the frees), ``forward`` (what the
 forward pass runs: the recipe's mixer / FFN hooks or the family's own forward, and every function they call),
-``glue`` (the recipe, the ``cb_family`` vtable, the load wrapper and ``main``). Code lines are counted as
+``glue`` (the recipe, the ``cb_family`` vtable, the load wrapper and ``main``, or the ``CB_DECODER_ENGINE``
+macro (or ``CB_DECODER_BATCHED_ENGINE``) that spells all four). Code lines are counted as
 tools/repeated_lines.py counts them (comments and blank lines dropped). A top-level function no section reaches
 is ``other``. A hook table in designated initializers (``.forward = f``, as the image family's ``img_stage``) is
 glue whose hooks are roots like a ``cb_family``'s; a file with neither ``main`` nor such a table is a block library
@@ -58,7 +59,7 @@ def classify(chunk: list[str]) -> str:
                        ("glue", "cb_recipe"), ("glue", "cb_family")):
         if word in head:
             return kind
-    if head.startswith("int main") or is_hook_table(chunk):
+    if head.startswith("int main") or re.match(r"CB_DECODER_\w*ENGINE\(", head) or is_hook_table(chunk):
         return "glue"
     return "function"
 

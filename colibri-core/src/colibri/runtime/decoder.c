@@ -118,25 +118,58 @@ static int load_index(int32_t **out, const cb_st_index *idx, const char *name, i
     return 0;
 }
 
-int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
-                    size_t *bytes, char *err, size_t errlen) {
+/* The table's tensors of layer l, shapes (flags, letters) from the struct `shapes`, names in d's layout. */
+static int load_tensors(void *layer, const void *shapes, const cb_decoder *d, const cb_tensor_spec *table, int l,
+                        const cb_st_index *idx, size_t *bytes, char *err, size_t errlen) {
     char name[NAME_LEN];
     for (const cb_tensor_spec *t = table; t->name; t++) {
-        if (!wanted(t, model, l)) continue;
-        cb_decoder_name(model, name, sizeof name, t->name, l);
+        if (!wanted(t, shapes, l)) continue;
+        cb_decoder_name(d, name, sizeof name, t->name, l);
         void *at = (char *)layer + t->at;
-        int rows = field_int(model, t->rows), rc;
+        int rows = field_int(shapes, t->rows), rc;
         if (t->kind == CB_TENSOR_LINEAR)
-            rc = cb_load_linear(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
+            rc = cb_load_linear(at, idx, name, rows, field_int(shapes, t->cols), bytes, err, errlen);
         else if (t->kind == CB_TENSOR_TABLE)
-            rc = load_table(at, idx, name, rows, field_int(model, t->cols), bytes, err, errlen);
+            rc = load_table(at, idx, name, rows, field_int(shapes, t->cols), bytes, err, errlen);
         else if (t->kind == CB_TENSOR_INDEX)
-            rc = load_index(at, idx, name, rows, field_int(model, t->cols), err, errlen);
+            rc = load_index(at, idx, name, rows, field_int(shapes, t->cols), err, errlen);
         else
             rc = cb_load_vector(at, idx, name, rows, bytes, err, errlen);
         if (rc) return -1;
     }
     return 0;
+}
+
+int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
+                    size_t *bytes, char *err, size_t errlen) {
+    return load_tensors(layer, model, model, table, l, idx, bytes, err, errlen);
+}
+
+int cb_load_block_tensors(void *layer, const void *shapes, cb_decoder *d, const cb_tensor_spec *table, int l,
+                          char *err, size_t errlen) {
+    return load_tensors(layer, shapes, d, table, l, &d->idx, &d->dense_bytes, err, errlen);
+}
+
+int cb_alloc_scratch(void *owner, const cb_scratch_spec *table, int max_batch, char *err, size_t errlen) {
+    for (const cb_scratch_spec *s = table; s && s->at; s++) {
+        float **buf = (float **)((char *)owner + s->at);
+        size_t floats = (size_t)max_batch * (size_t)s->mult * (size_t)field_int(owner, s->width);
+        if (floats && !(*buf = malloc(floats * sizeof(float)))) return cb_oom(err, errlen, "activations");
+    }
+    return 0;
+}
+
+void cb_free_scratch(void *owner, const cb_scratch_spec *table) {
+    for (const cb_scratch_spec *s = table; s && s->at; s++) {
+        free(*(float **)((char *)owner + s->at));
+        *(float **)((char *)owner + s->at) = NULL;
+    }
+}
+
+size_t cb_decoder_state(cb_decoder *d, size_t floats) {
+    size_t at = d->state_floats;
+    d->state_floats += floats;
+    return at;
 }
 
 void cb_free_tensors(void *layer, const cb_tensor_spec *table) {
@@ -229,7 +262,7 @@ static int load_ffn(cb_decoder *d, const cb_recipe *r, int l, char *err, size_t 
     cb_ffn *f = &d->ffn[l];
     char moe_fmt[PREFIX_LEN], name[PREFIX_LEN];
     cb_decoder_format(d, moe_fmt, sizeof moe_fmt, r->moe_prefix ? r->moe_prefix : "model.layers.%d.mlp.");
-    if (d->ffn_layers && d->ffn_layers[l] == 'D') {
+    if ((d->ffn_layers && d->ffn_layers[l] == 'D') || r->routed == CB_FFN_DENSE) {
         if (cb_swiglu_init(&f->dense, &d->idx, dense_prefix(d, r, l, name, sizeof name), d->hidden, d->inter,
                            d->max_batch, &d->dense_bytes, err, errlen))
             return -1;
@@ -275,6 +308,15 @@ static int load_head(cb_decoder *d, const char *model_dir, char *err, size_t err
                : 0;
 }
 
+/* CB_DECODER_SPARSE_HPARAMS: every sparse_step-th layer routes, unless mlp_only_layers makes it dense. */
+static int sparse_layers(cb_decoder *d, char *err, size_t errlen) {
+    int n = d->n_layers;
+    if (!(d->sparse_letters = calloc((size_t)n + 1, 1))) return cb_oom(err, errlen, "the layer kinds");
+    for (int l = 0; l < n; l++) d->sparse_letters[l] = (l + 1) % d->sparse_step ? 'D' : 'M';
+    d->ffn_layers = d->sparse_letters;
+    return cb_hp_layer_indices("mlp_only_layers", d->mlp_only, n, 'D', d->sparse_letters, err, errlen);
+}
+
 static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
                     size_t errlen) {
     cb_decoder *d = m;
@@ -289,8 +331,12 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
                  PREFIX_LEN / 4 - 1);
         return -1;
     }
+    if (r->expert_mats[0]) d->moe.expert_mats = r->expert_mats;
+    void *block = r->block ? (char *)m + r->block_at : NULL;
+    if (block && r->block->setup(block, r->block_spec, d, a->hp, err, errlen)) return -1;
     if (r->setup && r->setup(m, a->hp, err, errlen)) return -1;
-    if (d->ffn_layers && strchr(d->ffn_layers, 'D') && d->inter < 1) {
+    if (d->sparse_step && sparse_layers(d, err, errlen)) return -1;
+    if (((d->ffn_layers && strchr(d->ffn_layers, 'D')) || r->routed == CB_FFN_DENSE) && d->inter < 1) {
         snprintf(err, errlen, "--set intermediate_size is required: the model has dense (non-MoE) layers");
         return -1;
     }
@@ -313,13 +359,16 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
                             d->vocab, d->hidden, &d->dense_bytes, err, errlen))
         return -1;
     size_t L = (size_t)d->n_layers;
-    char *layers = calloc(L, r->layer_size);
-    *(void **)((char *)m + r->layers_at) = layers;
+    char *layers = NULL;       /* the recipe's own layer structs (none: its layers are a block's) */
+    if (r->layer_size) {
+        if (!(layers = calloc(L, r->layer_size))) return cb_oom(err, errlen, "layers");
+        *(void **)((char *)m + r->layers_at) = layers;
+    }
     d->attn_norm = calloc(L, sizeof *d->attn_norm);
     d->ffn_norm = calloc(L, sizeof *d->ffn_norm);
     d->ffn = calloc(L, sizeof *d->ffn);
     d->expert_layers = calloc(L, sizeof *d->expert_layers);
-    if (!layers || !d->attn_norm || !d->ffn_norm || !d->ffn || !d->expert_layers) return cb_oom(err, errlen, "layers");
+    if (!d->attn_norm || !d->ffn_norm || !d->ffn || !d->expert_layers) return cb_oom(err, errlen, "layers");
     const char *attn_norm = r->attn_norm_name ? r->attn_norm_name : "model.layers.%d.input_layernorm.weight";
     const char *ffn_norm = r->ffn_norm_name ? r->ffn_norm_name : "model.layers.%d.post_attention_layernorm.weight";
     for (int l = 0; l < d->n_layers; l++)
@@ -327,6 +376,7 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
             load_norm(&d->ffn_norm[l], d, ffn_norm, l, err, errlen) ||
             (r->tensors && cb_load_tensors(layers + (size_t)l * r->layer_size, m, r->tensors, l, &d->idx,
                                            &d->dense_bytes, err, errlen)) ||
+            (block && r->block->load_layer(block, d, l, err, errlen)) ||
             (r->load_layer && r->load_layer(m, l, err, errlen)) || load_ffn(d, r, l, err, errlen))
             return -1;
     share_moe_scratch(d);
@@ -336,18 +386,15 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     d->proj = malloc(B * H * sizeof(float));
     if (d->shared_inter) d->shared_out = malloc(B * H * sizeof(float));
     if (!d->x || !d->h || !d->proj || (d->shared_inter && !d->shared_out)) return cb_oom(err, errlen, "activations");
-    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) {
-        float **buf = (float **)((char *)m + s->at);
-        size_t floats = B * (size_t)s->mult * (size_t)field_int(m, s->width);
-        if (floats && !(*buf = malloc(floats * sizeof(float))))
-            return cb_oom(err, errlen, "activations");
-    }
+    if (cb_alloc_scratch(m, r->scratch, d->max_batch, err, errlen)) return -1;
     info->vocab = d->vocab;
     info->n_layers = d->n_layers;
+    info->state_bytes = d->state_floats * sizeof(float);
     info->dense_bytes = d->dense_bytes;
     info->expert_cache_bytes = d->cache_bytes + cb_experts_staging_bytes();
     info->n_expert_layers = d->n_expert_layers;
     info->expert_layers = d->expert_layers;
+    if (block && r->block->finish(block, d, info, err, errlen)) return -1;
     return r->finish ? r->finish(m, info, err, errlen) : 0;
 }
 
@@ -367,15 +414,16 @@ void cb_decoder_unload(void *model) {
     cb_decoder *d = model;
     if (!d) return;
     const cb_recipe *r = d->recipe;
-    char *layers = *(char **)((char *)model + r->layers_at);
+    char *layers = r->layer_size ? *(char **)((char *)model + r->layers_at) : NULL;
     for (int l = 0; layers && l < d->n_layers; l++) {
         void *layer = layers + (size_t)l * r->layer_size;
         if (r->tensors) cb_free_tensors(layer, r->tensors);
         if (r->free_layer) r->free_layer(model, layer);
     }
+    if (r->block) r->block->free((char *)model + r->block_at, d);
     if (r->free_model) r->free_model(model);
     if (r->model_tensors) cb_free_tensors(model, r->model_tensors);
-    for (const cb_scratch_spec *s = r->scratch; s && s->at; s++) free(*(float **)((char *)model + s->at));
+    cb_free_scratch(model, r->scratch);
     free(layers);
     for (int l = 0; l < d->n_layers; l++) {
         if (d->attn_norm) free(d->attn_norm[l]);
@@ -398,6 +446,7 @@ void cb_decoder_unload(void *model) {
     free(d->h);
     free(d->proj);
     free(d->shared_out);
+    free(d->sparse_letters);
     cb_st_close(&d->idx);
     free(model);
 }

@@ -85,6 +85,11 @@ typedef struct {
  * cb_decoder names them), adding their bytes to *bytes. 0, or -1 naming the tensor. */
 int cb_load_tensors(void *layer, const void *model, const cb_tensor_spec *table, int l, const cb_st_index *idx,
                     size_t *bytes, char *err, size_t errlen);
+struct cb_decoder;
+/* The same for a block's table: shapes, flags and letters are fields of the block struct `shapes`; names are in d's
+ * layout, bytes counted in d's dense bytes. */
+int cb_load_block_tensors(void *layer, const void *shapes, struct cb_decoder *d, const cb_tensor_spec *table, int l,
+                          char *err, size_t errlen);
 /* Free what cb_load_tensors loaded (or any part of it). */
 void cb_free_tensors(void *layer, const cb_tensor_spec *table);
 
@@ -101,9 +106,14 @@ typedef struct {
 #define CB_SCRATCH(MT, f, width_field, mult) {offsetof(MT, f), offsetof(MT, width_field), mult}
 #define CB_SCRATCH_END {0, 0, 0}
 
+/* The table's buffers of `owner` (a model or a block struct) for max_batch rows: 0, or -1 (out of memory). */
+int cb_alloc_scratch(void *owner, const cb_scratch_spec *table, int max_batch, char *err, size_t errlen);
+void cb_free_scratch(void *owner, const cb_scratch_spec *table);
+
 /* ---- the feed-forward half of a layer ---- */
 
-/* CB_FFN_NONE as a recipe's `routed`: the family loads and runs its routed layers' FFN itself (its own router). */
+/* CB_FFN_NONE as a recipe's `routed`: the family loads and runs its routed layers' FFN itself (its own router);
+ * CB_FFN_DENSE: every layer is a dense SwiGLU. */
 typedef enum { CB_FFN_NONE = 0, CB_FFN_DENSE, CB_FFN_MOE, CB_FFN_GROUPED } cb_ffn_kind;
 
 typedef struct {
@@ -116,13 +126,17 @@ typedef struct {
 
 /* ---- the decoder ---- */
 
-typedef struct {
+typedef struct cb_decoder {
     /* hyperparameters (CB_DECODER_*_HPARAMS) */
     int hidden, n_layers, vocab, tied;
     float eps;
     int inter;                 /* a dense layer's SwiGLU width */
     cb_grouped_moe_shape moe;  /* routed experts: count, top-k, width and routing */
     const char *ffn_layers;    /* one letter per layer, D dense / M MoE; NULL: every layer routed */
+    int sparse_step;           /* CB_DECODER_SPARSE_HPARAMS: every sparse_step-th layer routes (0: not used) */
+    const char *mlp_only;      /* ... unless this list of layer indices makes it dense */
+    char *sparse_letters;      /* the ffn_layers they make */
+    size_t state_floats;       /* the slot's recurrent state per sequence, as cb_decoder_state hands it out */
     int shared_inter;          /* CB_FFN_MOE: the shared expert's width (0: none) */
     int norm_offset;           /* every decoder norm is stored zero-centred: its scale is 1 + w (Qwen3-Next) */
     const char *prefix;        /* the checkpoint's text-model prefix in place of "model." (NULL: model.) */
@@ -161,13 +175,19 @@ typedef struct {
 #define CB_DECODER_MOE_HPARAMS(T, d)                                                                        \
     CB_HP_REQ("intermediate_size", T, d.moe.inter), CB_HP_REQ("num_experts", T, d.moe.n_experts),           \
     CB_HP_REQ("num_experts_per_tok", T, d.moe.top_k), CB_HP_FLAG("norm_topk_prob", T, d.moe.norm_topk_prob, 0)
-/* A decision head over the decoder (the decoder fields head_rows, head_weight, head_bias, softcap). */
+/* A decision head over the decoder (the decoder fields head_rows, head_weight, head_bias, softcap); its row count
+ * (the head's num_verbalizers) is required. */
 #define CB_DECODER_HEAD_HPARAMS(T, d)                                                                       \
-    CB_HP_OPT("decision_head_rows", T, d.head_rows, 0, CB_HP_NONNEG),                                       \
+    CB_HP_REQ("decision_head_rows", T, d.head_rows),                                                        \
     CB_HP_TEXT("decision_head_weight", T, d.head_weight, "proj.weight"),                                    \
     CB_HP_TEXT("decision_head_bias", T, d.head_bias, ""),                                                   \
     CB_HP_TEXT("decision_head_file", T, d.head_file, ""),                                                   \
     CB_HP_NUM("logit_softcap", T, d.softcap, 0.0, CB_HP_NONNEG)
+/* Which layers route, for a softmax-routed FFN (Qwen MoE names): every decoder_sparse_step-th layer, except the
+ * layer indices mlp_only_layers lists (comma-separated). */
+#define CB_DECODER_SPARSE_HPARAMS(T, d)                                                                     \
+    CB_HP_OPT("decoder_sparse_step", T, d.sparse_step, 1, CB_HP_POSITIVE),                                  \
+    CB_HP_TEXT("mlp_only_layers", T, d.mlp_only, "")
 /* Dense leading layers and grouped-routed MoE layers (DeepSeek-V3 names; mlp_layers: D or M per layer). */
 #define CB_DECODER_GROUPED_HPARAMS(T, d)                                                                    \
     CB_HP_REQ("intermediate_size", T, d.inter), CB_HP_REQ("moe_intermediate_size", T, d.moe.inter),        \
@@ -179,12 +199,27 @@ typedef struct {
     CB_HP_NUM("routed_scaling_factor", T, d.moe.routed_scaling_factor, 1.0, CB_HP_ANY),                     \
     CB_HP_PER_LAYER("mlp_layers", T, d.ffn_layers, "DM", d.n_layers)
 
+/* A runtime block a recipe's model embeds (latent.h's attention, say): its keys, shapes, per-layer tensors, scratch
+ * and KV geometry are the block's to load, so the family declares it in its recipe (block, block_at, block_spec)
+ * instead of writing load hooks. The decoder runs each hook just before the recipe's hook of the same name; d is
+ * the model (its cb_decoder first), so a spec may name the model's own fields by offset. */
+typedef struct cb_block_type {
+    /* after the recipe's keys (and before its setup): the block's keys, derived shapes, RoPE */
+    int (*setup)(void *block, const void *spec, cb_decoder *d, cb_hparams *hp, char *err, size_t errlen);
+    /* layer l's part of the block, after the recipe's tensors of the layer */
+    int (*load_layer)(void *block, cb_decoder *d, int l, char *err, size_t errlen);
+    /* after every layer: scratch, and the KV geometry into info */
+    int (*finish)(void *block, cb_decoder *d, cb_model_info *info, char *err, size_t errlen);
+    /* everything the block holds (safe on a block that failed half-way) */
+    void (*free)(void *block, cb_decoder *d);
+} cb_block_type;
+
 /* A family's recipe. The model struct's FIRST member is its cb_decoder (so the decoder's calls take the model),
  * and it holds a pointer to an array of its own layer structs at layers_at. */
 typedef struct cb_recipe {
     const cb_hp_spec *hparams; /* the family's keys (with the decoder's), read into the model struct */
     size_t model_size;         /* sizeof the model struct */
-    size_t layer_size;         /* sizeof the family's layer struct; the decoder allocates n_layers of them */
+    size_t layer_size;         /* sizeof the family's layer struct; the decoder allocates n_layers of them (0: none) */
     size_t layers_at;          /* offset of the model struct's pointer to them */
     const cb_tensor_spec *tensors;   /* every layer's own tensors, loaded after its norms (may be NULL) */
     const cb_scratch_spec *scratch;  /* the mixer's activations (may be NULL) */
@@ -216,7 +251,34 @@ typedef struct cb_recipe {
     /* CB_FFN_MOE: the family's router, in place of softmax top-k: fill moe->chosen and moe->weight (n rows x top_k)
      * for the normed rows h of layer l (d->tokens are their tokens); 0 or -1 with a message (may be NULL) */
     int (*route)(void *model, int l, cb_moe *moe, const float *h, int n, char *err, size_t errlen);
+    /* the runtime block the model struct holds at block_at, with the family's declaration of it (may be NULL) */
+    const cb_block_type *block;
+    size_t block_at;
+    const void *block_spec;
+    /* the routed experts' gate, up and down leaves under experts.<e>. (NULL: gate_proj, up_proj, down_proj) */
+    const char *expert_mats[3];
 } cb_recipe;
+
+/* The end of a family file whose forward is cb_decoder_forward: its recipe (model struct MT; the other cb_recipe
+ * fields as designated initializers), its cb_family under the family's name, and main (the file includes engine.h
+ * for cb_engine_main):
+ *
+ *     CB_DECODER_ENGINE(kimi, "kimi", .hparams = HPARAMS, .routed = CB_FFN_GROUPED, .mixer = attention);
+ */
+#define CB_DECODER_ENGINE(MT, family_name, ...) CB_DECODER_ENGINE_BATCH(MT, family_name, NULL, __VA_ARGS__)
+/* The same, with slots that decode together sharing one forward pass (cb_decoder_forward_batch): only for a recipe
+ * whose per-call model state (a selection carried across layers, say) is per sequence. */
+#define CB_DECODER_BATCHED_ENGINE(MT, family_name, ...)                                                       \
+    CB_DECODER_ENGINE_BATCH(MT, family_name, cb_decoder_forward_batch, __VA_ARGS__)
+#define CB_DECODER_ENGINE_BATCH(MT, family_name, batch, ...)                                                  \
+    static const cb_recipe MT##_recipe = {.model_size = sizeof(MT), __VA_ARGS__};                             \
+    static int MT##_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {  \
+        return cb_decoder_load(out, &MT##_recipe, a, info, err, errlen);                                       \
+    }                                                                                                         \
+    static const cb_family MT##_family = {.name = family_name, .load = MT##_load, .forward = cb_decoder_forward, \
+                                          .forward_batch = batch, .free = cb_decoder_unload};                 \
+    int main(int argc, char **argv) { return cb_engine_main(argc, argv, &MT##_family); }                     \
+    int main(int argc, char **argv)
 
 /* Load a model as the recipe says into *out; on failure everything built is freed and -1 carries the message. */
 int cb_decoder_load(void **out, const cb_recipe *r, const cb_load_args *a, cb_model_info *info, char *err,
@@ -258,6 +320,9 @@ void cb_decoder_logits(cb_decoder *d, float *logits, int n, int all_logits);
 const char *cb_decoder_format(const cb_decoder *d, char *buf, size_t size, const char *fmt);
 /* cb_decoder_format, then formatted with the layer l. */
 const char *cb_decoder_name(const cb_decoder *d, char *buf, size_t size, const char *fmt, int l);
+/* Hand out `floats` of the slot's recurrent state per sequence (a DeltaNet / KDA layer's, at load): their offset
+ * into cb_kv.state. The decoder reports the total as the model's state_bytes. */
+size_t cb_decoder_state(cb_decoder *d, size_t floats);
 /* Register an expert store the family loaded itself (CB_FFN_NONE): counted in the stats and the cache bytes. */
 void cb_decoder_add_experts(cb_decoder *d, cb_expert_layer *store);
 

@@ -1,8 +1,16 @@
-/* latent.h: the latent-attention layer the DeepSeek-V3 line shares (DeepSeek V3/R1/V3.2, Kimi K2, GLM-4.7-Flash,
- * GLM-5, Kimi Linear's full layers): MLA over the compressed cache (mla.h), optionally restricted to the DSA
- * indexer's top-k positions (dsa.h), with its hyperparameters declared once.
+/* latent.h: the attention of the DeepSeek-V3 line (DeepSeek V3/R1/V3.2, Kimi K2, GLM-4.5 to GLM-5, Kimi Linear's
+ * full layers): MLA over the compressed cache (mla.h), optionally restricted to the DSA indexer's top-k positions
+ * (dsa.h), or (GLM-4.5) grouped-query attention (gqa.h), as a runtime block (cb_attention) a recipe declares:
  *
- * Cache row per token and layer: [kv_lora latent | rope key | (DSA) index key], kv_width floats.
+ *     static const cb_attention_spec ATTENTION = {.kinds = "mla,dsa", .index_neox = 1};
+ *     static const cb_recipe RECIPE = {CB_ATTENTION_RECIPE(my_model, attn, ATTENTION), ...};
+ *
+ * The block reads `attention` (one of the spec's kinds, the first the default) and that kind's keys, builds the
+ * RoPE tables, loads every layer's attention, and reports the KV geometry; the family's mixer composes the forward
+ * from the blocks (cb_mla_project, cb_dsa_select, cb_mla_attend, cb_gqa_forward) over the layer's cb_attention_layer.
+ *
+ * Cache row per token and layer: [kv_lora latent | rope key | (DSA) index key], kv_width floats (MLA / DSA);
+ * k then v, n_kv_heads x head_dim each (GQA).
  */
 #ifndef COLIBRI_LATENT_H
 #define COLIBRI_LATENT_H
@@ -10,7 +18,9 @@
 #include <stddef.h>
 
 #include "blocks.h"
+#include "decoder.h"
 #include "dsa.h"
+#include "gqa.h"
 #include "hparams.h"
 #include "mla.h"
 
@@ -31,6 +41,51 @@ typedef struct {
 typedef struct {
     int *sel, *n_sel;
 } cb_latent_sel;
+
+/* ---- the attention block a recipe declares ---- */
+
+typedef enum { CB_ATTN_MLA = 0, CB_ATTN_DSA = 1, CB_ATTN_GQA = 2 } cb_attn_kind;
+
+/* What a family's attention may be, stated once. */
+typedef struct {
+    const char *kinds;         /* the attention= values it accepts, comma-separated (mla, dsa, gqa), the first the default */
+    int index_neox;            /* DSA: the indexer rotates half-split pairs while the attention's stay interleaved
+                                  (DeepSeek V3.2; else the indexer shares the attention's table, as GLM-5) */
+    int shared_indexers;       /* DSA: indexer_layers (one letter per layer: F runs its own indexer, S reuses the
+                                  previous one's selection), else every layer runs its own */
+    int nope;                  /* MLA without RoPE (Kimi Linear): no RoPE keys are read */
+    const char *on;            /* NULL: every layer; else only the layers whose letter in the model's per-layer
+                                  string at `letters` (a CB_HP_PER_LAYER field) is in on, numbered on the KV cache */
+    size_t letters;
+} cb_attention_spec;
+
+typedef struct {
+    cb_latent lat;             /* MLA / DSA */
+    cb_gqa gqa;                /* GQA */
+    int kv_layer;              /* its layer of the KV cache */
+} cb_attention_layer;
+
+typedef struct {
+    const cb_attention_spec *spec;
+    const char *attention;     /* --set attention */
+    cb_attn_kind kind;
+    int bias;                  /* attention_bias: MLA's q_a / kv_a / o biases, GQA's q / k / v biases */
+    int interleave;            /* MLA: rope_interleave (default on); DSA always interleaves the attention's pairs */
+    cb_latent_shape s;         /* MLA / DSA */
+    cb_gqa_config gqa;         /* GQA (use_qk_norm: per-head q/k RMSNorm) */
+    const char *indexer_layers;
+    int n_layers, n_kv;
+    cb_attention_layer *layers;
+    cb_rope rope, index_rope;  /* index_rope: spec->index_neox only */
+    cb_latent_sel sel;         /* DSA: the current selection, carried across layers that reuse it */
+    cb_gqa_scratch scratch;    /* GQA */
+} cb_attention;
+
+extern const cb_block_type cb_attention_block;
+
+/* A recipe's fields for a cb_attention at field f of the model struct MT, declared by the cb_attention_spec spec. */
+#define CB_ATTENTION_RECIPE(MT, f, spec) \
+    .block = &cb_attention_block, .block_at = offsetof(MT, f), .block_spec = &(spec)
 
 /* MLA's keys into a cb_latent_shape field s of struct T (attention_bias and attention_scale are the family's:
  * not every model has them). */
@@ -53,13 +108,14 @@ void cb_latent_shape_finish(cb_latent_shape *s, int hidden);
 int cb_latent_init(cb_latent *a, const cb_st_index *idx, int l, const cb_latent_shape *s, int indexer, int max_batch,
                    int ctx, size_t *bytes, char *err, size_t errlen);
 void cb_latent_free(cb_latent *a);
-/* A cb_recipe free_layer for recipes whose layers are cb_latent. */
-void cb_latent_free_layer(void *model, void *layer);
-int cb_latent_sel_init(cb_latent_sel *sel, const cb_latent_shape *s, int max_batch);
-void cb_latent_sel_free(cb_latent_sel *sel);
 /* out = attention of rows h[0..n) at positions pos0.. on cache layer kv_layer. rope rotates the queries and keys
  * (NULL: NoPE), index_rope the indexer's (DSA models may rotate it differently). */
 void cb_latent_forward(cb_latent *a, const cb_latent_shape *s, float *out, const float *h, int n, int pos0, cb_kv *kv,
                        int kv_layer, const cb_rope *rope, const cb_rope *index_rope, cb_latent_sel *sel);
+
+/* out = layer l's attention of the rows h[0..n) at positions pos0.. on its KV layer, as the block's kind says; the
+ * DSA indexer rotates with index_rope (the family's: &a->index_rope with spec->index_neox, else &a->rope). */
+void cb_attention_forward(cb_attention *a, int l, float *out, const float *h, int n, int pos0, cb_kv *kv,
+                          const cb_rope *index_rope);
 
 #endif

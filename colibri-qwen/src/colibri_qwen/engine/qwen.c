@@ -1,72 +1,93 @@
 /* qwen.c: the Qwen MoE engines (qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe[_text]), a recipe over the runtime's
- * decoder (decoder.h). Every layer is
+ * decoder (decoder.h) and hybrid mixer block (hybrid.h). Every layer is
  *
  *   x += mixer(norm(x))      mixer: GQA attention (gqa.h), or Gated DeltaNet (deltanet.h) on hybrid layers
  *   x += ffn(norm(x))        ffn: routed MoE (+ sigmoid-gated shared expert), or a dense MLP (mlp_only_layers)
  *
  * What differs between the four types is switched by hyperparameters the plugin resolves: qkv biases (qwen2_moe),
  * per-head q/k norm (qwen3+), zero-centred "1 + w" RMSNorms and the attention output gate (the hybrids), the
- * linear-attention projection layout (qwen3_next fuses q/k/v/z and b/a per key-head group; qwen3_5 splits them)
- * and weight_prefix (qwen3_5 nests the text model under model.language_model.).
- * Only full-attention layers hold KV; each DeltaNet layer keeps its state in the slot's recurrent state. The mixers
- * are the runtime's hybrid block (hybrid.h); this file adds the MoE feed-forward.
+ * linear-attention projection layout (qwen3_next fuses q/k/v/z and b/a per key-head group: this file's; qwen3_5
+ * splits them: the block's) and weight_prefix (qwen3_5 nests the text model under model.language_model.).
+ * Only full-attention layers hold KV; each DeltaNet layer keeps its state in the slot's recurrent state.
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "engine.h"
 #include "hybrid.h"
 
 typedef struct {
-    cb_hybrid h;               /* first: the mixer (hybrid.h), and the decoder inside it */
-    int sparse_step;
-    const char *mlp_only;      /* --set string */
-    char *ffns;                /* per layer: D dense / M MoE */
+    cb_linear in_qkvz, in_ba;  /* qwen3_next's fused linear-attention input projections */
+} qwen_layer;
+
+typedef struct {
+    cb_decoder d;
+    cb_hybrid h;
+    qwen_layer *layers;
+    float *qkvz, *ba;          /* their outputs for max_batch rows */
 } qwen;
 
 static const cb_hp_spec HPARAMS[] = {
-    CB_DECODER_HPARAMS(qwen, h.d, 1e-6),
-    CB_HP_REQ("num_experts", qwen, h.d.moe.n_experts), CB_HP_REQ("num_experts_per_tok", qwen, h.d.moe.top_k),
-    CB_HP_REQ("moe_intermediate_size", qwen, h.d.moe.inter),
-    CB_HP_FLAG("norm_topk_prob", qwen, h.d.moe.norm_topk_prob, 0),
-    CB_HP_OPT("intermediate_size", qwen, h.d.inter, 0, CB_HP_NONNEG),
-    CB_HP_OPT("shared_expert_intermediate_size", qwen, h.d.shared_inter, 0, CB_HP_NONNEG),
-    CB_HP_OPT("decoder_sparse_step", qwen, sparse_step, 1, CB_HP_POSITIVE),
-    CB_HP_FLAG("zero_centered_norm", qwen, h.d.norm_offset, 0), CB_HP_TEXT("weight_prefix", qwen, h.d.prefix, "model."),
-    CB_HP_TEXT("mlp_only_layers", qwen, mlp_only, ""), CB_HP_END,
+    CB_DECODER_HPARAMS(qwen, d, 1e-6), CB_DECODER_SPARSE_HPARAMS(qwen, d),
+    CB_HP_REQ("num_experts", qwen, d.moe.n_experts), CB_HP_REQ("num_experts_per_tok", qwen, d.moe.top_k),
+    CB_HP_REQ("moe_intermediate_size", qwen, d.moe.inter),
+    CB_HP_FLAG("norm_topk_prob", qwen, d.moe.norm_topk_prob, 0),
+    CB_HP_OPT("intermediate_size", qwen, d.inter, 0, CB_HP_NONNEG),
+    CB_HP_OPT("shared_expert_intermediate_size", qwen, d.shared_inter, 0, CB_HP_NONNEG),
+    CB_HP_FLAG("zero_centered_norm", qwen, d.norm_offset, 0), CB_HP_TEXT("weight_prefix", qwen, d.prefix, "model."),
+    CB_HP_END,
 };
+static const cb_hybrid_spec HYBRID = {.fused = 1};
 
-/* The mixers (hybrid.h), then the FFN per layer: every decoder_sparse_step-th layer routes unless mlp_only_layers
- * makes it dense. */
-static int setup(void *ptr, cb_hparams *hp, char *err, size_t errlen) {
+#define LA "model.layers.%d.linear_attn."
+static const cb_tensor_spec TENSORS[] = {
+    CB_LINEAR_IF_ON(LA "in_proj_qkvz.weight", qwen_layer, in_qkvz, qwen, h.qkvz_w, d.hidden, h.fused, h.mixers, "L"),
+    CB_LINEAR_IF_ON(LA "in_proj_ba.weight", qwen_layer, in_ba, qwen, h.ba_w, d.hidden, h.fused, h.mixers, "L"),
+    CB_TENSORS_END,
+};
+static const cb_scratch_spec SCRATCH[] = {CB_SCRATCH(qwen, qkvz, h.qkvz_w, 1), CB_SCRATCH(qwen, ba, h.ba_w, 1),
+                                          CB_SCRATCH_END};
+
+/* Qwen3-Next's in_proj_qkvz / in_proj_ba interleave per key-head group g: [q k v(r heads) z(r heads)] and
+ * [b(r) a(r)], r = value heads per key head. Regroup into the conv input [q | k | v] and z, b, a. */
+static void ungroup_qkvz(qwen *m, int n) {
+    cb_hybrid *h = &m->h;
+    const cb_deltanet_config *d = &h->dn_cfg;
+    int r = d->n_v_heads / d->n_k_heads, kd = h->kd, vd = h->vd, nv = h->nv;
+    int gw = 2 * d->k_dim + 2 * r * d->v_dim, rv = r * d->v_dim;
+    size_t fsz = sizeof(float);
+    for (int i = 0; i < n; i++) {
+        const float *src = m->qkvz + (size_t)i * (size_t)h->qkvz_w, *ba = m->ba + (size_t)i * (size_t)h->ba_w;
+        float *x = h->lx + (size_t)i * (size_t)h->conv_w, *z = h->lz + (size_t)i * (size_t)vd;
+        for (int g = 0; g < d->n_k_heads; g++) {
+            const float *s = src + (size_t)g * (size_t)gw;
+            memcpy(x + (size_t)g * d->k_dim, s, (size_t)d->k_dim * fsz);
+            memcpy(x + kd + (size_t)g * d->k_dim, s + d->k_dim, (size_t)d->k_dim * fsz);
+            memcpy(x + 2 * kd + (size_t)g * rv, s + 2 * d->k_dim, (size_t)rv * fsz);
+            memcpy(z + (size_t)g * rv, s + 2 * d->k_dim + rv, (size_t)rv * fsz);
+            memcpy(h->lb + (size_t)i * nv + (size_t)g * r, ba + (size_t)g * 2 * r, (size_t)r * fsz);
+            memcpy(h->la + (size_t)i * nv + (size_t)g * r, ba + (size_t)g * 2 * r + r, (size_t)r * fsz);
+        }
+    }
+}
+
+/* The hybrid block's mixer, except on qwen3_next's linear layers: their fused projections, regrouped, feed the
+ * block's DeltaNet. */
+static int mixer(void *ptr, int l, cb_kv *kv, int n, int pos0, char *err, size_t errlen) {
+    (void)err, (void)errlen;
     qwen *m = ptr;
-    int n = m->h.d.n_layers;
-    if (cb_hybrid_setup(&m->h, hp, err, errlen)) return -1;
-    if (!(m->ffns = calloc((size_t)n + 1, 1))) return cb_oom(err, errlen, "the layer kinds");
-    for (int l = 0; l < n; l++) m->ffns[l] = (l + 1) % m->sparse_step ? 'D' : 'M';
-    if (cb_hp_layer_indices("mlp_only_layers", m->mlp_only, n, 'D', m->ffns, err, errlen)) return -1;
-    m->h.d.ffn_layers = m->ffns;
+    if (m->h.fused && m->h.mixers[l] == 'L') {
+        cb_linear_apply(&m->layers[l].in_qkvz, m->qkvz, m->d.h, n);
+        cb_linear_apply(&m->layers[l].in_ba, m->ba, m->d.h, n);
+        ungroup_qkvz(m, n);
+        cb_hybrid_deltanet(&m->h, &m->d, l, kv, n);
+    } else {
+        cb_hybrid_forward(&m->h, &m->d, l, kv, n, pos0);
+    }
     return 0;
 }
 
-static void free_model(void *ptr) {
-    qwen *m = ptr;
-    cb_hybrid_free(&m->h);
-    free(m->ffns);
-}
-
-static const cb_recipe RECIPE = {
-    CB_HYBRID_RECIPE, .hparams = HPARAMS, .model_size = sizeof(qwen), .routed = CB_FFN_MOE, .setup = setup,
-    .free_model = free_model, .shared_prefix = "model.layers.%d.mlp.shared_expert.",
-    .shared_gate = "model.layers.%d.mlp.shared_expert_gate.weight",
-};
-
-static int qwen_load(void **out, const cb_load_args *a, cb_model_info *info, char *err, size_t errlen) {
-    return cb_decoder_load(out, &RECIPE, a, info, err, errlen);
-}
-
-static const cb_family qwen_family
-    = {.name = "qwen", .load = qwen_load, .forward = cb_decoder_forward,
-       .forward_batch = cb_decoder_forward_batch, .free = cb_decoder_unload};
-
-int main(int argc, char **argv) { return cb_engine_main(argc, argv, &qwen_family); }
+CB_DECODER_BATCHED_ENGINE(qwen, "qwen", CB_HYBRID_RECIPE(qwen, h, HYBRID), .hparams = HPARAMS,
+                          .layer_size = sizeof(qwen_layer), .layers_at = offsetof(qwen, layers), .tensors = TENSORS,
+                          .scratch = SCRATCH, .routed = CB_FFN_MOE,
+                          .mixer = mixer, .shared_prefix = "model.layers.%d.mlp.shared_expert.",
+                          .shared_gate = "model.layers.%d.mlp.shared_expert_gate.weight");
