@@ -51,6 +51,7 @@ typedef struct {
     int8_t *q_split;            /* [n][cols] per 64-column group: its 32 even columns, then its 32 odd columns
                                  * (the Q4 nibble order); NULL when cols is not a multiple of 64 */
     int32_t *group_sums;        /* [n][cols/64] sum of levels per group (the Q4 SIMD paths' nibble offset) */
+    int32_t *sums;              /* [n] sum of each row's levels (the Q8 VNNI path's weight offset) */
     float *scale;               /* [n] */
 } cb_qact;
 
