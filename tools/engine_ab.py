@@ -8,10 +8,12 @@ engine process whose page cache is already warm. Every run records the 1-minute 
 how loaded the machine was; the summary is each side's median, the B/A ratio of the medians and the median of
 the per-round B/A ratios (A and B of a round ran back to back), per phase.
 
-    .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4]
+    .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4] [--precision int8]
 
 The checkpoint is the bench's OLMoE geometry (engines/bench/stream_bench.py) at a reduced size, cached under
-``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository. Prints one JSON line per run
+``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository; ``--precision int8|int4``
+runs its colibri-quant container instead (converted once by ``coli convert``, cached beside it), for the integer
+kernels. Prints one JSON line per run
 and a summary; writes nothing else. Not a test: it asserts nothing about speed.
 """
 
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64, help="prefill tokens")
     ap.add_argument("--decode", type=int, default=16, help="teacher-forced decode steps")
+    ap.add_argument("--precision", choices=("bf16", *sb.PRECISIONS), default="bf16",
+                    help="bf16: the native checkpoint; int8/int4: its colibri-quant container")
     args = ap.parse_args(argv)
     sb.GEOM.update(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128, inter=args.hidden // 2,
                    experts=args.experts, top_k=8, vocab=32000)
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sb.GEOM
     model = sb.CACHE / f"olmoe-ab-{g['layers']}l-{g['hidden']}h-{g['experts']}e"
     sb.build_checkpoint(model, skew=False, experts_from=None)
+    if args.precision != "bf16":
+        model = sb.ensure_container(model, args.precision)
     prompt, forced = sb.workload(g["vocab"], locality=False)
     with tempfile.TemporaryDirectory(prefix="engine-ab-") as tmp:
         sides = {"A": build(args.base, Path(tmp)), "B": build(args.head, Path(tmp))}
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                           "paired_B_over_A_median": round(paired, 3),
                           "A_range": [round(v, 2) for v in spread["A"]], "B_range": [round(v, 2) for v in spread["B"]]}
     summary["load_avg_median"] = round(statistics.median(x["load_avg"] for s in runs for x in runs[s]), 2)
-    summary["geometry"] = dict(g, prompt=args.prompt, decode=args.decode)
+    summary["geometry"] = dict(g, prompt=args.prompt, decode=args.decode, precision=args.precision)
     print(json.dumps({"summary": summary, "A": args.base, "B": args.head}, indent=1))
     return 0
 

@@ -41,9 +41,25 @@ int cb_qpath_set(cb_qpath path) {
 
 void cb_qpath_reset(void) { atomic_store(&g_forced_path, -1); }
 
+/* COLIBRI_QPATH=scalar|avx2|avx512|avx512-vnni picks one integer path for a whole engine (tests of every path
+ * end to end); a value this CPU lacks, or an unknown one, is ignored: every path gives the same bits. */
+static int env_path(void) {
+    static atomic_int cached = -2;          /* -2: not read yet; -1: unset or unusable */
+    int v = atomic_load(&cached);
+    if (v != -2) return v;
+    const char *name = getenv("COLIBRI_QPATH");
+    v = -1;
+    for (int p = CB_QPATH_SCALAR; name && p <= CB_QPATH_AVX512_VNNI; p++)
+        if (strcmp(name, cb_qpath_name((cb_qpath)p)) == 0 && p <= (int)cb_qpath_detect()) v = p;
+    atomic_store(&cached, v);
+    return v;
+}
+
 cb_qpath cb_qpath_get(void) {
     int forced = atomic_load(&g_forced_path);
     if (forced >= 0) return (cb_qpath)forced;
+    int from_env = env_path();
+    if (from_env >= 0) return (cb_qpath)from_env;
     /* Follow the float kernels' ISA level (so COLIBRI_ISA=scalar really means scalar everywhere). */
     cb_qpath best = cb_qpath_detect();
     switch (cb_get_isa()) {

@@ -55,7 +55,8 @@ typedef struct {
     float *scale;               /* [n] */
 } cb_qact;
 
-/* Paths: the default follows cb_get_isa() (COLIBRI_ISA), using the best integer path that ISA level allows. */
+/* Paths: the default follows cb_get_isa() (COLIBRI_ISA), using the best integer path that ISA level allows;
+ * COLIBRI_QPATH=scalar|avx2|avx512|avx512-vnni (read once) picks one path instead, when this CPU has it. */
 cb_qpath cb_qpath_detect(void);
 int cb_qpath_set(cb_qpath path);              /* 0, or -1 if this CPU lacks it */
 void cb_qpath_reset(void);                    /* back to following cb_get_isa() */
