@@ -62,7 +62,8 @@ def run_once(binary: Path, model: Path, prompt: list[int], forced: list[int]) ->
     from colibri.engine import Engine
     from colibri.model import resolve_model
 
-    spec = launch.prepare(resolve_model(str(model), None), ram_gib=None, ctx=512, threads=2)
+    ctx = max(512, len(prompt) + len(forced))   # a 512-token prompt still fits with its decode steps
+    spec = launch.prepare(resolve_model(str(model), None), ram_gib=None, ctx=ctx, threads=2)
     argv = [str(binary), *spec.argv[1:]]
     load_avg = os.getloadavg()[0]
     with Engine(argv, env=spec.env, ready_timeout=600) as eng:
