@@ -8,15 +8,17 @@ engine process whose page cache is already warm. Every run records the 1-minute 
 how loaded the machine was; the summary is each side's median, the B/A ratio of the medians and the median of
 the per-round B/A ratios (A and B of a round ran back to back), per phase.
 
-    .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4]
+    .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 [--head HEAD] [--rounds 5] [--layers 4] [--precision int8]
     .nox/tests/bin/python tools/engine_ab.py --base d1c4f15 --engine colibri-qwen/src/colibri_qwen/engine/qwen.c \
         --model DIR
 
 ``--engine`` names another family's C source (built with the files of its folder) and ``--model`` the checkpoint
 it runs (a directory its plugin resolves, e.g. ``colibri.testing.tiny.tiny_model(kind, root, hidden_size=512)``);
 without ``--model`` the checkpoint is the bench's OLMoE geometry (engines/bench/stream_bench.py) at a reduced
-size, cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository. Prints one
-JSON line per run and a summary; writes nothing else. Not a test: it asserts nothing about speed.
+size, cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/bench``), never in the repository;
+``--precision int8|int4`` runs its colibri-quant container instead (converted once by ``coli convert``, cached
+beside it), for the integer kernels. Prints one JSON line per run and a summary; writes nothing else. Not a test: it
+asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def run_once(binary: Path, model: Path, prompt: list[int], forced: list[int]) ->
     from colibri.engine import Engine
     from colibri.model import resolve_model
 
-    spec = launch.prepare(resolve_model(str(model), None), ram_gib=None, ctx=512, threads=2)
+    ctx = max(512, len(prompt) + len(forced))   # a 512-token prompt still fits with its decode steps
+    spec = launch.prepare(resolve_model(str(model), None), ram_gib=None, ctx=ctx, threads=2)
     argv = [str(binary), *spec.argv[1:]]
     load_avg = os.getloadavg()[0]
     with Engine(argv, env=spec.env, ready_timeout=600) as eng:
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     geometry_args(ap, rounds=5, layers=4, experts=32, decode=16)
     ap.add_argument("--engine", default=OLMOE, help="the family's C source, relative to the repository")
     ap.add_argument("--model", type=Path, help="the checkpoint directory (default: the synthetic OLMoE one)")
+    ap.add_argument("--precision", choices=("bf16", *sb.PRECISIONS), default="bf16",
+                    help="bf16: the native checkpoint; int8/int4: its colibri-quant container")
     args = ap.parse_args(argv)
     g = use_geometry(args)
     if args.model:
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         model = sb.CACHE / f"olmoe-ab-{g['layers']}l-{g['hidden']}h-{g['experts']}e"
         sb.build_checkpoint(model, skew=False, experts_from=None)
         vocab = g["vocab"]
+    if args.precision != "bf16":
+        model = sb.ensure_container(model, args.precision)
     prompt, forced = sb.workload(vocab, locality=False)
     with tempfile.TemporaryDirectory(prefix="engine-ab-") as tmp:
         sides = {"A": build(args.base, Path(tmp), args.engine), "B": build(args.head, Path(tmp), args.engine)}
@@ -132,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                           "paired_B_over_A_median": round(paired, 3),
                           "A_range": [round(v, 2) for v in spread["A"]], "B_range": [round(v, 2) for v in spread["B"]]}
     summary["load_avg_median"] = round(statistics.median(x["load_avg"] for s in runs for x in runs[s]), 2)
-    summary["geometry"] = (dict(g, prompt=args.prompt, decode=args.decode) if not args.model else
-                           {"model": str(model), "engine": args.engine, "prompt": args.prompt, "decode": args.decode})
+    summary["geometry"] = (dict(g, prompt=args.prompt, decode=args.decode, precision=args.precision) if not args.model
+                           else {"model": str(model), "engine": args.engine, "prompt": args.prompt,
+                                 "decode": args.decode, "precision": args.precision})
     print(json.dumps({"summary": summary, "A": args.base, "B": args.head}, indent=1))
     return 0
 

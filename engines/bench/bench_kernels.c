@@ -1,5 +1,11 @@
-/* bench_kernels.c: matvec/matmul throughput per ISA, as GB/s of weight bytes read. Not a test: it never asserts,
- * and the numbers are only meaningful on an otherwise idle machine. */
+/* bench_kernels.c: matvec/matmul throughput per ISA, as GB/s of weight bytes read, and the integer kernels (int8,
+ * int4-g64) per path at the OLMoE-1B-7B expert shapes for 1, 4, 16 and 64 input rows, as GB/s of weight bytes and
+ * GOP/s (2 * rows * cols * n). Not a test: it never asserts, and the numbers are only meaningful on an otherwise
+ * idle machine.
+ *
+ *   bench_kernels [threads] [float|quant]      (default: every section; threads 0 = physical cores)
+ *
+ * The quant section uses only quant.h's public API, so it builds against an older runtime for before/after. */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,6 +13,7 @@
 #include <time.h>
 
 #include "kernels.h"
+#include "quant.h"
 
 static double now(void) {
     struct timespec ts;
@@ -31,8 +38,70 @@ static double time_matmul(float *Y, const void *W, cb_dtype dt, const float *X, 
     return best;
 }
 
+/* Best of 5 trials of >= 60 ms each, in seconds per cb_qmatmul. */
+static double time_qmatmul(float *Y, const cb_qmatrix *W, const cb_qact *a) {
+    cb_qmatmul(Y, W, a);
+    double best = 1e30;
+    for (int trial = 0; trial < 5; trial++) {
+        int reps = 0;
+        double start = now(), elapsed;
+        do {
+            cb_qmatmul(Y, W, a);
+            reps++;
+            elapsed = now() - start;
+        } while (elapsed < 0.06);
+        if (elapsed / reps < best) best = elapsed / reps;
+    }
+    return best;
+}
+
+static void bench_quant(int threads) {
+    static const int shapes[][2] = {{1024, 2048}, {2048, 1024}};   /* OLMoE expert gate/up and down */
+    static const int counts[] = {1, 4, 16, 64};
+    const int max_cols = 2048, max_n = 64;
+    size_t max_elems = (size_t)2048 * 1024;
+    unsigned char *q = malloc(max_elems);
+    uint16_t *scales = malloc(max_elems / 64 * sizeof *scales + 2 * 2048);
+    float *X = malloc((size_t)max_n * max_cols * sizeof *X), *Y = malloc((size_t)max_n * 2048 * sizeof *Y);
+    for (size_t i = 0; i < max_elems; i++) q[i] = (unsigned char)((i * 2654435761u) >> 13);
+    for (size_t i = 0; i < max_elems / 64 + 2048; i++) scales[i] = (uint16_t)(0x2000 + (i * 40503u) % 0x0800);
+    for (int i = 0; i < max_n * max_cols; i++) X[i] = (float)((i * 7919) % 211) * 0.01f - 1.0f;
+    for (size_t i = 0; i < max_elems; i++)   /* int8 levels in [-127, 127] as the format stores them */
+        if (q[i] == 0x80) q[i] = 0x81;
+    cb_threads_init(threads);
+    printf("%-12s %-5s %-10s %4s %7s %9s %9s %10s\n", "path", "quant", "shape", "n", "threads", "GB/s", "GOP/s",
+           "us/call");
+    for (int p = CB_QPATH_SCALAR; p <= CB_QPATH_AVX512_VNNI; p++) {
+        if (cb_qpath_set((cb_qpath)p) != 0) continue;
+        for (int scheme = CB_Q8_ROW; scheme <= CB_Q4_G64; scheme++)
+            for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+                int rows = shapes[s][0], cols = shapes[s][1];
+                cb_qmatrix W = {(cb_qscheme)scheme, rows, cols, q, scales};
+                double bytes = (double)rows * cb_qrow_bytes(W.scheme, cols);
+                for (size_t c = 0; c < sizeof counts / sizeof *counts; c++) {
+                    int n = counts[c];
+                    if (p == CB_QPATH_SCALAR && n > 4) continue;
+                    cb_qact a;
+                    if (cb_qact_init(&a, n, cols) || cb_qact_quantize(&a, X, n)) return;
+                    double sec = time_qmatmul(Y, &W, &a);
+                    char shape[32];
+                    snprintf(shape, sizeof shape, "%dx%d", rows, cols);
+                    printf("%-12s %-5s %-10s %4d %7d %9.2f %9.2f %10.1f\n", cb_qpath_name((cb_qpath)p),
+                           scheme == CB_Q8_ROW ? "int8" : "int4", shape, n, cb_threads_count(), bytes / sec / 1e9,
+                           2.0 * rows * cols * n / sec / 1e9, sec * 1e6);
+                    cb_qact_free(&a);
+                }
+            }
+    }
+    cb_qpath_reset();
+    free(q), free(scales), free(X), free(Y);
+}
+
 int main(int argc, char **argv) {
     int max_threads = argc > 1 ? atoi(argv[1]) : 0;
+    const char *section = argc > 2 ? argv[2] : "";
+    if (strcmp(section, "float") != 0) bench_quant(max_threads);
+    if (strcmp(section, "quant") == 0) return 0;
     static const int shapes[][2] = {{2048, 1024}, {1024, 2048}, {4096, 4096}, {50304, 2048}};
     static const cb_dtype dtypes[] = {CB_F32, CB_BF16, CB_F16};
     static const char *dtype_names[] = {"f32", "bf16", "f16"};

@@ -258,6 +258,49 @@ static void test_paths_bit_identical(void) {
             check_shape(CB_Q4_G64, row_counts[r], q4_cols[c], 1 + (int)(c % 4), (int)(r % 2));
 }
 
+/* The SIMD paths' register tiles (R rows x N inputs) against scalar at every batch size up to past two 4 x 4 tiles,
+ * row counts that leave every remainder of 4, 8 and 16, column tails, int8 weight levels of -128, and scales that
+ * are zero, negative zero or negative. */
+static void test_tile_shapes(void) {
+    static const int q8_cols[] = {7, 64, 100, 2055};
+    static const int q4_cols[] = {64, 192, 1024};
+    static const int row_counts[] = {1, 5, 16, 19, 36};
+    static const uint16_t odd_scales[] = {0x0000, 0x8000, 0xbc00, 0x8001, 0x3c00};
+    for (int s = 0; s < 2; s++) {
+        const cb_qscheme scheme = s ? CB_Q4_G64 : CB_Q8_ROW;
+        const int *cols_list = s ? q4_cols : q8_cols;
+        const int n_cols = s ? 3 : 4;
+        for (int ci = 0; ci < n_cols; ci++)
+            for (size_t ri = 0; ri < sizeof row_counts / sizeof *row_counts; ri++) {
+                const int rows = row_counts[ri], cols = cols_list[ci], n = 1 + (int)((ci * 5 + ri) % 9);
+                test_matrix W = make_matrix(scheme, rows, cols, (int)(ri % 2));
+                size_t nscales = cb_qscale_count(scheme, rows, cols), qbytes = (size_t)rows * cb_qrow_bytes(scheme, cols);
+                for (size_t i = 0; i < nscales; i += 3)
+                    memcpy((uint8_t *)W.m.scales + 2 * i, &odd_scales[i % 5], 2);
+                if (scheme == CB_Q8_ROW)
+                    for (size_t i = 0; i < qbytes; i += 5) W.q[i] = 0x80;      /* level -128 */
+                float *x = random_inputs(n, cols);
+                cb_qact a;
+                size_t out_n = (size_t)n * rows;
+                float *scalar = malloc(out_n * sizeof *scalar), *got = malloc(out_n * sizeof *got);
+                int ok = cb_qact_init(&a, n, cols) == 0 && cb_qact_quantize(&a, x, n) == 0;
+                cb_qpath_set(CB_QPATH_SCALAR);
+                ok = ok && cb_qmatmul(scalar, &W.m, &a) == 0;
+                for (int p = CB_QPATH_AVX2; ok && p <= CB_QPATH_AVX512_VNNI; p++) {
+                    if (cb_qpath_set((cb_qpath)p) != 0) continue;
+                    check(cb_qmatmul(got, &W.m, &a) == 0 && same_bits(got, scalar, out_n),
+                          "%s tiles %s %dx%d n=%d (zero/negative scales, -128 levels) equal scalar",
+                          cb_qpath_name((cb_qpath)p), s ? "int4" : "int8", rows, cols, n);
+                }
+                check(ok, "tile shape setup %dx%d n=%d", rows, cols, n);
+                cb_qpath_reset();
+                cb_qact_free(&a);
+                free(scalar), free(got), free(x);
+                free_matrix(&W);
+            }
+    }
+}
+
 /* Extreme levels: every weight and activation at +-127 (int4: +-7) makes the int32 sums as large as they get. */
 static void test_extreme_sums(void) {
     const int cols = 8192, rows = 2;
@@ -284,6 +327,30 @@ static void test_extreme_sums(void) {
     check(y_ref[0] == (float)(128 * 64 * 7 * 127) * (1.0f / 127.0f), "int4 extreme value (got %.9g)", y_ref[0]);
     cb_qpath_reset();
     free(w), free(w4), free(x);
+}
+
+/* At CB_Q_MAX_COLS the int8 VNNI path's biased sums ((w + 128) * x) pass 2^31 and wrap; the exact total must
+ * still come out: all +127 (the largest positive total) and all -128 (the largest negative). */
+static void test_max_cols_wrap(void) {
+    const int cols = CB_Q_MAX_COLS;
+    int8_t *w = malloc((size_t)cols);
+    float *x = malloc((size_t)cols * sizeof *x);
+    uint16_t scale = 0x3c00;
+    for (int c = 0; c < cols; c++) x[c] = 1.0f;
+    for (int v = 0; v < 2; v++) {
+        memset(w, v ? 0x80 : 0x7f, (size_t)cols);
+        cb_qmatrix W = {CB_Q8_ROW, 1, cols, w, &scale};
+        float want = (float)(int32_t)((v ? -128 : 127) * 127 * cols) * (1.0f / 127.0f), ref, y;
+        cb_qpath_set(CB_QPATH_SCALAR);
+        check(cb_qmatvec_f32(&ref, &W, x) == 0 && ref == want, "scalar max-cols sum %d (got %.9g)", v, ref);
+        for (int p = CB_QPATH_AVX2; p <= CB_QPATH_AVX512_VNNI; p++) {
+            if (cb_qpath_set((cb_qpath)p) != 0) continue;
+            check(cb_qmatvec_f32(&y, &W, x) == 0 && same_bits(&y, &ref, 1), "%s max-cols sum %s",
+                  cb_qpath_name((cb_qpath)p), v ? "-128" : "+127");
+        }
+    }
+    cb_qpath_reset();
+    free(w), free(x);
 }
 
 static void test_thread_counts(void) {
@@ -316,7 +383,9 @@ int main(void) {
     test_refusals();
     test_dequant_row();
     test_paths_bit_identical();
+    test_tile_shapes();
     test_extreme_sums();
+    test_max_cols_wrap();
     test_thread_counts();
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

@@ -214,8 +214,8 @@ int cb_qexperts_begin(const float *x, int n, int hidden) {
     return cb_qact_quantize(&layer_in, x, n);
 }
 
-/* dst row j = src row rows[j]: levels, split levels, group sums and scale are all per row, so a gathered row is
- * exactly what quantizing that row alone gives. */
+/* dst row j = src row rows[j]: levels, split levels, group sums, level sum and scale are all per row, so a
+ * gathered row is exactly what quantizing that row alone gives. */
 static void gather(cb_qact *dst, const cb_qact *src, const int *rows, int n) {
     size_t c = (size_t)src->cols, groups = c / CB_Q4_GROUP;
     dst->n = n;
@@ -227,6 +227,7 @@ static void gather(cb_qact *dst, const cb_qact *src, const int *rows, int n) {
             memcpy(dst->group_sums + (size_t)j * groups, src->group_sums + r * groups, groups * sizeof(int32_t));
         }
         dst->scale[j] = src->scale[r];
+        dst->sums[j] = src->sums[r];
     }
 }
 

@@ -1,5 +1,5 @@
-/* quant.c: path selection, activation quantization, the scalar integer dot products (the reference every SIMD
- * path must match), and the row drivers that turn integer sums into floats in the one fixed order of quant.h. */
+/* quant.c: path selection, activation quantization, the scalar integer dot products and row driver (the reference
+ * every SIMD path must match), and the tile driver that runs the SIMD paths' register tiles (quant_impl.h). */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -18,7 +18,7 @@ cb_qpath cb_qpath_detect(void) {
     int bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     if (bw && __builtin_cpu_supports("avx512vnni")) return CB_QPATH_AVX512_VNNI;
     if (bw) return CB_QPATH_AVX512;
-    if (__builtin_cpu_supports("avx2")) return CB_QPATH_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CB_QPATH_AVX2;
 #endif
     return CB_QPATH_SCALAR;
 }
@@ -41,9 +41,25 @@ int cb_qpath_set(cb_qpath path) {
 
 void cb_qpath_reset(void) { atomic_store(&g_forced_path, -1); }
 
+/* COLIBRI_QPATH=scalar|avx2|avx512|avx512-vnni picks one integer path for a whole engine (tests of every path
+ * end to end); a value this CPU lacks, or an unknown one, is ignored: every path gives the same bits. */
+static int env_path(void) {
+    static atomic_int cached = -2;          /* -2: not read yet; -1: unset or unusable */
+    int v = atomic_load(&cached);
+    if (v != -2) return v;
+    const char *name = getenv("COLIBRI_QPATH");
+    v = -1;
+    for (int p = CB_QPATH_SCALAR; name && p <= CB_QPATH_AVX512_VNNI; p++)
+        if (strcmp(name, cb_qpath_name((cb_qpath)p)) == 0 && p <= (int)cb_qpath_detect()) v = p;
+    atomic_store(&cached, v);
+    return v;
+}
+
 cb_qpath cb_qpath_get(void) {
     int forced = atomic_load(&g_forced_path);
     if (forced >= 0) return (cb_qpath)forced;
+    int from_env = env_path();
+    if (from_env >= 0) return (cb_qpath)from_env;
     /* Follow the float kernels' ISA level (so COLIBRI_ISA=scalar really means scalar everywhere). */
     cb_qpath best = cb_qpath_detect();
     switch (cb_get_isa()) {
@@ -54,25 +70,20 @@ cb_qpath cb_qpath_get(void) {
     return CB_QPATH_SCALAR;
 }
 
-static cb_q8_dot_fn q8_dot_for(cb_qpath path) {
-    switch (path) {
-#if CB_HAVE_X86_QUANT
-    case CB_QPATH_AVX512_VNNI: return cb_q8_dot_avx512vnni;
-    case CB_QPATH_AVX512: return cb_q8_dot_avx512;
-    case CB_QPATH_AVX2: return cb_q8_dot_avx2;
-#endif
-    default: return cb_q8_dot_scalar;
-    }
-}
+/* The register tiles of a SIMD path and how many items (weight row x input pairs) one tile computes. */
+typedef struct {
+    int lanes;
+    cb_qtile_fn q8, q4;
+} qtiles;
 
-static cb_q4_dot_fn q4_dot_for(cb_qpath path) {
+static qtiles tiles_for(cb_qpath path) {
     switch (path) {
 #if CB_HAVE_X86_QUANT
-    case CB_QPATH_AVX512_VNNI: return cb_q4_dot_avx512vnni;
-    case CB_QPATH_AVX512: return cb_q4_dot_avx512;
-    case CB_QPATH_AVX2: return cb_q4_dot_avx2;
+    case CB_QPATH_AVX512_VNNI: return (qtiles){16, cb_q8_tile_avx512vnni, cb_q4_tile_avx512vnni};
+    case CB_QPATH_AVX512: return (qtiles){16, cb_q8_tile_avx512, cb_q4_tile_avx512};
+    case CB_QPATH_AVX2: return (qtiles){8, cb_q8_tile_avx2, cb_q4_tile_avx2};
 #endif
-    default: return cb_q4_dot_scalar;
+    default: return (qtiles){0, NULL, NULL};
     }
 }
 
@@ -106,6 +117,7 @@ void cb_qact_free(cb_qact *a) {
     free(a->q);
     free(a->q_split);
     free(a->group_sums);
+    free(a->sums);
     free(a->scale);
     memset(a, 0, sizeof *a);
 }
@@ -118,7 +130,8 @@ int cb_qact_init(cb_qact *a, int max_n, int cols) {
     a->cols = cols;
     a->q = malloc(n * c);
     a->scale = malloc(n * sizeof *a->scale);
-    int ok = a->q && a->scale;
+    a->sums = malloc(n * sizeof *a->sums);
+    int ok = a->q && a->scale && a->sums;
     if (cols % CB_Q4_GROUP == 0) {
         a->q_split = malloc(n * c);
         a->group_sums = malloc(n * (c / CB_Q4_GROUP) * sizeof *a->group_sums);
@@ -138,10 +151,11 @@ static int8_t level_of(float v) {
     return (int8_t)r;
 }
 
-static void quantize_row(int8_t *q, float *scale, const float *x, int cols) {
+/* Returns the sum of the row's levels. */
+static int32_t quantize_row(int8_t *q, float *scale, const float *x, size_t cols) {
     float absmax = 0.0f;
     int nan = 0;
-    for (int c = 0; c < cols; c++) {
+    for (size_t c = 0; c < cols; c++) {
         float m = fabsf(x[c]);
         if (m != m) nan = 1;
         else if (m > absmax) absmax = m;
@@ -149,13 +163,15 @@ static void quantize_row(int8_t *q, float *scale, const float *x, int cols) {
     if (nan) absmax = NAN;
     if (!isfinite(absmax) || absmax == 0.0f) {
         /* Zero levels; the scale (0, inf or NaN) makes the outputs 0 or NaN, as a float path's would be. */
-        memset(q, 0, (size_t)cols);
+        memset(q, 0, cols);
         *scale = absmax;
-        return;
+        return 0;
     }
     float inv = 127.0f / absmax;
-    for (int c = 0; c < cols; c++) q[c] = level_of(x[c] * inv);
+    int32_t sum = 0;
+    for (size_t c = 0; c < cols; c++) sum += q[c] = level_of(x[c] * inv);
     *scale = absmax / 127.0f;
+    return sum;
 }
 
 int cb_qact_quantize(cb_qact *a, const float *x, int n) {
@@ -164,7 +180,7 @@ int cb_qact_quantize(cb_qact *a, const float *x, int n) {
     a->n = n;
     for (int i = 0; i < n; i++) {
         int8_t *q = a->q + (size_t)i * cols;
-        quantize_row(q, &a->scale[i], x + (size_t)i * cols, cols);
+        a->sums[i] = quantize_row(q, &a->scale[i], x + (size_t)i * cols, (size_t)cols);
         if (!a->q_split) continue;
         const int groups = cols / CB_Q4_GROUP;
         for (int g = 0; g < groups; g++) {
@@ -190,10 +206,7 @@ int32_t cb_q8_dot_scalar(const int8_t *w, const int8_t *x, int cols) {
     return acc;
 }
 
-void cb_q4_dot_scalar(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                      const int32_t *group_sums, int groups) {
-    (void)x_split;
-    (void)group_sums;
+void cb_q4_dot_scalar(int32_t *acc, const uint8_t *w, const int8_t *x, int groups) {
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = w + (size_t)g * (CB_Q4_GROUP / 2);
         const int8_t *xg = x + (size_t)g * CB_Q4_GROUP;
@@ -217,8 +230,9 @@ static float combine_q4(const int32_t *acc, const void *scales, size_t first_sca
     return s * x_scale;
 }
 
+/* The scalar reference: one (row, input) pair at a time. acc: `groups` int32 of scratch. */
 static void rows_range(float *Y, size_t ldy, const cb_qmatrix *W, const cb_qact *a, int first_input, int n_inputs,
-                       int r0, int r1, cb_q8_dot_fn q8, cb_q4_dot_fn q4, int32_t *acc) {
+                       int r0, int r1, int32_t *acc) {
     const int cols = W->cols;
     const size_t row_bytes = cb_qrow_bytes(W->scheme, cols);
     const int groups = cols / CB_Q4_GROUP;
@@ -229,13 +243,67 @@ static void rows_range(float *Y, size_t ldy, const cb_qmatrix *W, const cb_qact 
             const int8_t *x = a->q + (size_t)i * cols;
             float y;
             if (W->scheme == CB_Q8_ROW) {
-                y = combine_q8(q8((const int8_t *)wrow, x, cols), scale_at(W->scales, (size_t)r), a->scale[i]);
+                y = combine_q8(cb_q8_dot_scalar((const int8_t *)wrow, x, cols), scale_at(W->scales, (size_t)r),
+                               a->scale[i]);
             } else {
-                q4(acc, (const uint8_t *)wrow, x, a->q_split + (size_t)i * cols, a->group_sums + (size_t)i * groups,
-                   groups);
+                cb_q4_dot_scalar(acc, (const uint8_t *)wrow, x, groups);
                 y = combine_q4(acc, W->scales, (size_t)r * groups, groups, a->scale[i]);
             }
             Y[(size_t)j * ldy + r] = y;
+        }
+    }
+}
+
+static int min_int(int a, int b) { return a < b ? a : b; }
+
+/* Weight row `row`'s int4 scales as f32 into out[groups] (exact on every ISA; copied first, since the container's
+ * scales may sit at an odd address). */
+static void row_scales_f32(float *out, const cb_qmatrix *W, int row, int groups) {
+    uint16_t h[256];
+    const char *src = (const char *)W->scales + (size_t)row * (size_t)groups * 2;
+    for (int g = 0; g < groups; g += 256) {
+        int n = min_int(256, groups - g);
+        memcpy(h, src + (size_t)g * 2, (size_t)n * 2);
+        cb_convert_to_f32(out + g, h, CB_F16, (size_t)n);
+    }
+}
+
+/* The SIMD paths: rows [r0, r1) x inputs in register tiles of R rows x N inputs (R * N = lanes), each row block's
+ * weights reused from L1 by every group of inputs. A tile at the edge repeats the last real row / input (clamped
+ * pointers, so it only reads real data) and its extra items are dropped. w_scales: 16 * groups floats. */
+static void tiles_range(float *Y, size_t ldy, const cb_qmatrix *W, const cb_qact *a, int first_input, int n_inputs,
+                        int r0, int r1, const qtiles *tiles, float *w_scales) {
+    const int cols = W->cols, groups = cols / CB_Q4_GROUP, q8 = W->scheme == CB_Q8_ROW;
+    const size_t row_bytes = cb_qrow_bytes(W->scheme, cols);
+    const int N = n_inputs >= CB_QTILE_MAX_INPUTS && tiles->lanes >= 16 ? CB_QTILE_MAX_INPUTS : n_inputs >= 2 ? 2 : 1;
+    const int R = tiles->lanes / N;
+    const cb_qtile_fn fn = q8 ? tiles->q8 : tiles->q4;
+    cb_qtile t = {.R = R, .N = N, .cols = cols, .groups = groups, .w_scales = w_scales};
+    float out[CB_QTILE_MAX_LANES];
+    for (int rb = r0; rb < r1; rb += R) {
+        const int nr = min_int(R, r1 - rb);
+        for (int r = 0; r < R; r++) {
+            const int row = rb + min_int(r, nr - 1);
+            t.w[r] = (const char *)W->q + (size_t)row * row_bytes;
+            if (!q8) row_scales_f32(w_scales + (size_t)r * groups, W, row, groups);
+        }
+        for (int k = 0; q8 && k < R * N; k++) t.w_scale[k] = scale_at(W->scales, (size_t)(rb + min_int(k % R, nr - 1)));
+        for (int jb = 0; jb < n_inputs; jb += N) {
+            const int nj = min_int(N, n_inputs - jb);
+            for (int j = 0; j < N; j++) {
+                const size_t i = (size_t)(first_input + jb + min_int(j, nj - 1));
+                t.x[j] = a->q + i * cols;
+                t.x_split[j] = q8 ? NULL : a->q_split + i * cols;
+                t.group_sums[j] = q8 ? NULL : a->group_sums + i * groups;
+            }
+            for (int k = 0; k < R * N; k++) {
+                const int i = first_input + jb + min_int(k / R, nj - 1);
+                t.x_scale[k] = a->scale[i];
+                t.x_sum[k] = a->sums[i];
+            }
+            fn(out, &t);
+            for (int j = 0; j < nj; j++)
+                for (int r = 0; r < nr; r++) Y[(size_t)(jb + j) * ldy + (size_t)(rb + r)] = out[j * R + r];
         }
     }
 }
@@ -251,8 +319,7 @@ typedef struct {
     int first_input, n_inputs;
     size_t ldy;
     int tasks_per_mat;
-    cb_q8_dot_fn q8;
-    cb_q4_dot_fn q4;
+    qtiles tiles;               /* lanes 0: the scalar reference */
     int failed;                 /* set when a task could not allocate its scratch */
 } qjob;
 
@@ -262,18 +329,23 @@ static void qjob_task(void *ctx, int t) {
     const cb_qmatrix *W = job->W[m];
     const int r0 = chunk * CB_Q_ROWS_PER_TASK;
     const int r1 = r0 + CB_Q_ROWS_PER_TASK < W->rows ? r0 + CB_Q_ROWS_PER_TASK : W->rows;
-    int32_t stack_acc[256];
-    int32_t *acc = stack_acc;
+    /* Scratch: the scalar path's per-group sums, or a tile's weight scales (16 rows x groups). */
+    enum { STACK_GROUPS = 64 };
+    float stack_scratch[CB_QTILE_MAX_LANES * STACK_GROUPS];
+    void *scratch = stack_scratch;
     const int groups = W->cols / CB_Q4_GROUP;
-    if (groups > 256) {
-        acc = malloc((size_t)groups * sizeof *acc);
-        if (!acc) {
+    if (groups > STACK_GROUPS) {
+        scratch = malloc((size_t)CB_QTILE_MAX_LANES * (size_t)groups * sizeof(float));
+        if (!scratch) {
             __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
             return;
         }
     }
-    rows_range(job->Y[m], job->ldy, W, job->a, job->first_input, job->n_inputs, r0, r1, job->q8, job->q4, acc);
-    if (acc != stack_acc) free(acc);
+    if (job->tiles.lanes)
+        tiles_range(job->Y[m], job->ldy, W, job->a, job->first_input, job->n_inputs, r0, r1, &job->tiles, scratch);
+    else
+        rows_range(job->Y[m], job->ldy, W, job->a, job->first_input, job->n_inputs, r0, r1, scratch);
+    if (scratch != stack_scratch) free(scratch);
 }
 
 static int usable(const cb_qmatrix *W, const cb_qact *a) {
@@ -285,7 +357,7 @@ static int run(float *Y0, float *Y1, const cb_qmatrix *W0, const cb_qmatrix *W1,
                int n_inputs, size_t ldy) {
     cb_qpath path = cb_qpath_get();
     qjob job = {.Y = {Y0, Y1}, .W = {W0, W1}, .n_mats = W1 ? 2 : 1, .a = a, .first_input = first_input,
-                .n_inputs = n_inputs, .ldy = ldy, .q8 = q8_dot_for(path), .q4 = q4_dot_for(path)};
+                .n_inputs = n_inputs, .ldy = ldy, .tiles = tiles_for(path)};
     job.tasks_per_mat = (W0->rows + CB_Q_ROWS_PER_TASK - 1) / CB_Q_ROWS_PER_TASK;
     cb_parallel_for(job.tasks_per_mat * job.n_mats, qjob_task, &job);
     return job.failed ? -1 : 0;

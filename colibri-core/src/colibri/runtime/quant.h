@@ -51,10 +51,12 @@ typedef struct {
     int8_t *q_split;            /* [n][cols] per 64-column group: its 32 even columns, then its 32 odd columns
                                  * (the Q4 nibble order); NULL when cols is not a multiple of 64 */
     int32_t *group_sums;        /* [n][cols/64] sum of levels per group (the Q4 SIMD paths' nibble offset) */
+    int32_t *sums;              /* [n] sum of each row's levels (the Q8 VNNI path's weight offset) */
     float *scale;               /* [n] */
 } cb_qact;
 
-/* Paths: the default follows cb_get_isa() (COLIBRI_ISA), using the best integer path that ISA level allows. */
+/* Paths: the default follows cb_get_isa() (COLIBRI_ISA), using the best integer path that ISA level allows;
+ * COLIBRI_QPATH=scalar|avx2|avx512|avx512-vnni (read once) picks one path instead, when this CPU has it. */
 cb_qpath cb_qpath_detect(void);
 int cb_qpath_set(cb_qpath path);              /* 0, or -1 if this CPU lacks it */
 void cb_qpath_reset(void);                    /* back to following cb_get_isa() */

@@ -1,5 +1,5 @@
-/* quant_impl.h: private glue between quant.c (dispatch, activations, float combination) and the per-ISA integer
- * dot products in quant_avx2.c / quant_avx512.c. Engines include quant.h only. */
+/* quant_impl.h: private glue between quant.c (dispatch, activations, the tile driver, the scalar reference) and
+ * the per-ISA register tiles in quant_avx2.c / quant_avx512.c. Engines include quant.h only. */
 #ifndef COLIBRI_QUANT_IMPL_H
 #define COLIBRI_QUANT_IMPL_H
 
@@ -11,27 +11,37 @@
 #define CB_HAVE_X86_QUANT 0
 #endif
 
-/* Exact sum over c < cols of w[c] * x[c] (int8 levels). */
-typedef int32_t (*cb_q8_dot_fn)(const int8_t *w, const int8_t *x, int cols);
-/* acc[g] = exact sum over group g (64 columns) of level(w) * x, for g < groups. `x` is in column order,
- * `x_split` in the nibble order of cb_qact.q_split, `group_sums` the per-group sums of x: a path uses whichever
- * suits it (the offset-binary nibbles give sum(u * x) - 8 * sum(x) = sum(level * x) exactly). */
-typedef void (*cb_q4_dot_fn)(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                             const int32_t *group_sums, int groups);
-
+/* The scalar reference (quant.c). Exact sum over c < cols of w[c] * x[c] (int8 levels). */
 int32_t cb_q8_dot_scalar(const int8_t *w, const int8_t *x, int cols);
-void cb_q4_dot_scalar(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                      const int32_t *group_sums, int groups);
+/* acc[g] = exact sum over group g (64 columns) of level(w) * x, for g < groups (x in column order). */
+void cb_q4_dot_scalar(int32_t *acc, const uint8_t *w, const int8_t *x, int groups);
+
+/* One register tile: R weight rows x N input rows, R * N == the path's lane count (16 on AVX-512, 8 on AVX2).
+ * Output item k = j * R + r is weight row w[r] against input j, and out[k] must be exactly what quant.h's float
+ * combination gives for that pair (the driver has already clamped w[] and the inputs to real rows, so a tile past
+ * the matrix's edge recomputes a real row and the driver drops the copy). */
+#define CB_QTILE_MAX_LANES 16
+#define CB_QTILE_MAX_INPUTS 4
+typedef struct {
+    int R, N, cols, groups;
+    const void *w[CB_QTILE_MAX_LANES];
+    const int8_t *x[CB_QTILE_MAX_INPUTS];          /* levels, column order (int8) */
+    const int8_t *x_split[CB_QTILE_MAX_INPUTS];    /* levels, nibble order (int4) */
+    const int32_t *group_sums[CB_QTILE_MAX_INPUTS];
+    const float *w_scales;                         /* int4: [R][groups] weight scales as f32 */
+    int32_t x_sum[CB_QTILE_MAX_LANES];             /* int8: sum of input j's levels, at each of its lanes */
+    float w_scale[CB_QTILE_MAX_LANES];             /* int8: row r's scale, at each of its lanes */
+    float x_scale[CB_QTILE_MAX_LANES];             /* input j's scale, at each of its lanes */
+} cb_qtile;
+typedef void (*cb_qtile_fn)(float *out, const cb_qtile *t);
+
 #if CB_HAVE_X86_QUANT
-int32_t cb_q8_dot_avx2(const int8_t *w, const int8_t *x, int cols);
-void cb_q4_dot_avx2(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                    const int32_t *group_sums, int groups);
-int32_t cb_q8_dot_avx512(const int8_t *w, const int8_t *x, int cols);
-void cb_q4_dot_avx512(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                      const int32_t *group_sums, int groups);
-int32_t cb_q8_dot_avx512vnni(const int8_t *w, const int8_t *x, int cols);
-void cb_q4_dot_avx512vnni(int32_t *acc, const uint8_t *w, const int8_t *x, const int8_t *x_split,
-                          const int32_t *group_sums, int groups);
+void cb_q8_tile_avx2(float *out, const cb_qtile *t);
+void cb_q4_tile_avx2(float *out, const cb_qtile *t);
+void cb_q8_tile_avx512(float *out, const cb_qtile *t);
+void cb_q4_tile_avx512(float *out, const cb_qtile *t);
+void cb_q8_tile_avx512vnni(float *out, const cb_qtile *t);
+void cb_q4_tile_avx512vnni(float *out, const cb_qtile *t);
 #endif
 
 #endif
