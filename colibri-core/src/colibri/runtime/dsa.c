@@ -49,8 +49,21 @@ void cb_dsa_free(cb_dsa *x) {
     cb_linear_free(&x->wk);
     cb_linear_free(&x->weights_proj);
     free(x->k_norm_w); free(x->k_norm_b);
-    free(x->q); free(x->k); free(x->w); free(x->scores); free(x->heap);
+    if (!x->borrowed) free(x->q), free(x->k), free(x->w), free(x->scores), free(x->heap);
     memset(x, 0, sizeof *x);
+}
+
+void cb_dsa_share_scratch(cb_dsa *x, const cb_dsa *owner) {
+    if (x == owner || x->borrowed || memcmp(&x->s, &owner->s, sizeof x->s) || x->max_batch != owner->max_batch ||
+        x->ctx != owner->ctx)
+        return;
+    free(x->q), free(x->k), free(x->w), free(x->scores), free(x->heap);
+    x->q = owner->q;
+    x->k = owner->k;
+    x->w = owner->w;
+    x->scores = owner->scores;
+    x->heap = owner->heap;
+    x->borrowed = 1;
 }
 
 static void layer_norm(float *v, int n, const float *w, const float *b) {

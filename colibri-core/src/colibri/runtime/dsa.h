@@ -27,12 +27,16 @@ typedef struct {
     float *q, *k, *w;          /* n x n_heads*head_dim, n x head_dim, n x n_heads */
     float *scores;             /* per row: ctx */
     int *heap;                 /* per row: topk */
+    int borrowed;              /* q, k, w, scores and heap are another layer's (cb_dsa_share_scratch) */
 } cb_dsa;
 
 /* prefix: the indexer's prefix, e.g. "model.layers.3.self_attn.indexer." */
 int cb_dsa_init(cb_dsa *x, const cb_st_index *idx, const char *prefix, const cb_dsa_shape *s, int max_batch, int ctx,
                 size_t *bytes, char *err, size_t errlen);
 void cb_dsa_free(cb_dsa *x);
+/* Point x's scratch at owner's and free x's own (same shape, max_batch and ctx), as cb_mla_share_scratch: the
+ * selection an indexer makes is the caller's (cb_latent_sel), not this scratch, so layers may share it. */
+void cb_dsa_share_scratch(cb_dsa *x, const cb_dsa *owner);
 
 /* Store the index keys of rows [0, n) (positions pos0..) at column `col` of the cache rows of `layer`, then pick
  * each row's positions: sel[i * s.topk ..] gets n_sel[i] positions in ascending order. rope must be interleaved

@@ -158,9 +158,25 @@ static int attention_load_layer(void *block, cb_decoder *d, int l, char *err, si
     return cb_latent_init(&L->lat, &d->idx, l, &a->s, indexer, d->max_batch, d->ctx, &d->dense_bytes, err, errlen);
 }
 
+/* Every latent layer attends in the first one's MLA (and indexer) scratch: layers run one at a time, and per-layer
+ * copies would cost n_layers x max_batch x n_heads x (ctx + 3 kv_lora) floats, gigabytes at DeepSeek-V3's size. */
+static void share_latent_scratch(cb_attention *a) {
+    cb_latent *mla_owner = NULL, *dsa_owner = NULL;
+    for (int l = 0; l < a->n_layers; l++) {
+        cb_latent *lat = &a->layers[l].lat;
+        if (!lat->mla.work) continue;            /* a layer without this block (.on) */
+        if (mla_owner) cb_mla_share_scratch(&lat->mla, &mla_owner->mla);
+        else mla_owner = lat;
+        if (!lat->has_indexer) continue;
+        if (dsa_owner) cb_dsa_share_scratch(&lat->dsa, &dsa_owner->dsa);
+        else dsa_owner = lat;
+    }
+}
+
 static int attention_finish(void *block, cb_decoder *d, cb_model_info *info, char *err, size_t errlen) {
     cb_attention *a = block;
     info->n_layers = a->n_kv;
+    if (a->kind != CB_ATTN_GQA) share_latent_scratch(a);
     if (a->kind == CB_ATTN_GQA) {
         info->kv_dim = a->gqa.n_kv_heads * a->gqa.head_dim;
         return a->n_kv ? cb_gqa_scratch_init(&a->scratch, &a->gqa, d->max_batch, d->ctx, err, errlen) : 0;

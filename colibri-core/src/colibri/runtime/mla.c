@@ -73,8 +73,21 @@ void cb_mla_free(cb_mla *m) {
     cb_linear_free(&m->kv_b);
     cb_linear_free(&m->o);
     free(m->q_a_norm); free(m->kv_a_norm); free(m->bq_a); free(m->bkv_a); free(m->bo);
-    free(m->q_resid); free(m->q); free(m->ckv); free(m->att); free(m->work);
+    if (!m->borrowed) free(m->q_resid), free(m->q), free(m->ckv), free(m->att), free(m->work);
     memset(m, 0, sizeof *m);
+}
+
+void cb_mla_share_scratch(cb_mla *m, const cb_mla *owner) {
+    if (m == owner || m->borrowed || memcmp(&m->s, &owner->s, sizeof m->s) || m->max_batch != owner->max_batch ||
+        m->ctx != owner->ctx)
+        return;
+    free(m->q_resid), free(m->q), free(m->ckv), free(m->att), free(m->work);
+    m->q_resid = owner->q_resid;
+    m->q = owner->q;
+    m->ckv = owner->ckv;
+    m->att = owner->att;
+    m->work = owner->work;
+    m->borrowed = 1;
 }
 
 void cb_mla_project(cb_mla *m, const float *h, int n, int pos0, cb_kv *kv, int layer, const cb_rope *rope) {

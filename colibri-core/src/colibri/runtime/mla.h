@@ -34,12 +34,16 @@ typedef struct {
     float *ckv;                /* n x (kv_lora + rope) */
     float *att;                /* n x n_heads x v_dim */
     float *work;               /* per (row, head): ctx scores + 3 x kv_lora */
+    int borrowed;              /* the scratch above is another layer's (cb_mla_share_scratch) */
 } cb_mla;
 
 /* prefix: the layer's attention prefix, e.g. "model.layers.3.self_attn." */
 int cb_mla_init(cb_mla *m, const cb_st_index *idx, const char *prefix, const cb_mla_shape *s, int max_batch, int ctx,
                 size_t *bytes, char *err, size_t errlen);
 void cb_mla_free(cb_mla *m);
+/* Point m's scratch at owner's and free m's own (same shape, max_batch and ctx, or nothing happens): a model's
+ * layers attend one after another, so one set serves them all instead of n_layers x max_batch x n_heads x ctx. */
+void cb_mla_share_scratch(cb_mla *m, const cb_mla *owner);
 
 /* Project rows h[0..n) at positions pos0..: queries (RoPE'd) into m->q, m->q_resid, and the compressed key/value
  * row of each token into the cache (layer, pos0 + i), columns [0, kv_lora + rope). rope == NULL leaves the
