@@ -154,13 +154,24 @@ token; multi-token-prediction layers are not counted).
 """
 
 
+def stand_in_tokenizer():
+    """A small BPE for the layouts, which ship no tokenizer of their own: doctor (which a projection runs) wants one,
+    and nothing here tokenizes."""
+    from colibri.demo_tokenizer import stdlib_texts, train_bpe
+
+    return train_bpe(stdlib_texts(50_000), 300)
+
+
 def main(out: Path) -> None:
     import tempfile
 
-    rows = []
+    from colibri.demo_tokenizer import write_tokenizer_files
+
+    rows, tokenizer = [], stand_in_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         for release in RELEASES:
             directory = build(release, Path(tmp) / release.name)
+            write_tokenizer_files(directory, tokenizer)
             rows.append(table_row(release, figures(directory)))
             print(rows[-1], flush=True)
     out.write_text(HEADER + "\n".join(rows) + "\n", encoding="utf-8")

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib adds no test dir
-from real_layouts import BY_NAME, GIB, RELEASES, ROOT, build, figures, table_row
+from real_layouts import BY_NAME, GIB, RELEASES, ROOT, build, figures, stand_in_tokenizer, table_row
 
 from colibri import plugins
 from colibri.cli import app
@@ -32,11 +32,11 @@ SLOW = os.environ.get("COLIBRI_SLOW_TESTS") == "1"
 def layouts(tmp_path_factory):
     """Each release's layout, built once, with a stand-in tokenizer (the layouts carry no tokenizer of their own;
     doctor wants one and nothing here tokenizes)."""
-    from colibri.demo_tokenizer import stdlib_texts, train_bpe, write_tokenizer_files
+    from colibri.demo_tokenizer import write_tokenizer_files
 
     plugins.reset()
     root = tmp_path_factory.mktemp("real")
-    tokenizer = train_bpe(stdlib_texts(50_000), 300)
+    tokenizer = stand_in_tokenizer()
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
@@ -79,8 +79,9 @@ def test_info_counts_the_published_parameters_and_plan_and_doctor_agree(layouts,
 def test_deepseek_v3_fp8_plans_as_an_int4_container_without_converting(layouts):
     path = layouts("DeepSeek-V3")
     shipped = coli_json("plan", "--model", str(path), "--ram", "24", "--disk-bw", "2")
-    # the release as it ships: what the issue measured on a header-only copy of the real FP8 release
-    assert f"{shipped['dense_bytes'] / GIB:.2f}" == "17.77" and f"{shipped['min_ram_bytes'] / GIB:.2f}" == "21.19"
+    # the release as it ships: the dense bytes the issue measured on a header-only copy of the real FP8 release; the
+    # smallest RAM adds KV at ctx 4096, one prefill pass's reserve (planner.scratch_bytes) and a slot per MoE layer
+    assert f"{shipped['dense_bytes'] / GIB:.2f}" == "17.77" and f"{shipped['min_ram_bytes'] / GIB:.2f}" == "20.85"
     before = sorted(p.name for p in path.iterdir())
     result = runner.invoke(app, ["plan", "--model", str(path), "--ram", "16", "--experts", "int4", "--dense", "int8",
                                  "--disk-bw", "2", "--json"])
