@@ -491,60 +491,9 @@ def q4_0_of_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def llama_sources() -> Path:
-    """The llama.cpp tree of the llama-cpp-python sdist ``nox -s bench`` builds from (downloaded once)."""
-    sdist_dir = sb.CACHE / "sdist"
-    tree = sdist_dir / f"llama_cpp_python-{sb.LLAMA_VERSION}" / "vendor" / "llama.cpp"
-    if not tree.is_dir():
-        sdist_dir.mkdir(parents=True, exist_ok=True)
-        sdist = sdist_dir / f"llama_cpp_python-{sb.LLAMA_VERSION}.tar.gz"
-        if not sdist.is_file():
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-                            f"llama-cpp-python=={sb.LLAMA_VERSION}", "-d", str(sdist_dir)], check=True)
-        subprocess.run(["tar", "xzf", str(sdist), "-C", str(sdist_dir)], check=True)
-    return tree
-
-
-LLAMA_LITE = "llama-cpp-lite"     # under the bench cache: the sdist's Python package + its libraries
-
-
-def llama_env(llama: Path) -> dict[str, str]:
-    """What ``import llama_cpp`` needs in the runner: nothing when the wheel ``nox -s bench`` builds is installed;
-    else the sdist's own Python package beside ``libllama`` built from the same sdist with the wheel's CMake
-    options, library targets only (the wheel also builds llama.cpp's tools and common library, most of its
-    build time)."""
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return {}
-    missing = [m for m in ("diskcache", "jinja2", "typing_extensions") if importlib.util.find_spec(m) is None]
-    if missing:     # the wheel's own dependencies (numpy is there)
-        subprocess.run([sys.executable, "-m", "pip", "install", *(m.replace("_", "-") for m in missing)], check=True)
-    lite = sb.CACHE / LLAMA_LITE
-    lib = lite / "llama_cpp" / "lib"
-    if not (lib / "libllama.so").is_file():
-        sdist_root = llama.parents[1]
-        build = sb.CACHE / "llama-build"
-        log("building libllama from the llama-cpp-python sdist (library targets only)")
-        subprocess.run(["cmake", "-S", str(sdist_root), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DLLAMA_BUILD_SERVER=OFF"], check=True, capture_output=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama", "-j", str(os.cpu_count() or 2)],
-                       check=True, capture_output=True)
-        install_lite(sdist_root, build / "bin", lite)
-    return {"PYTHONPATH": str(lite), "LD_LIBRARY_PATH": str(lib)}
-
-
-def install_lite(sdist_root: Path, built: Path, lite: Path) -> None:
-    """The sdist's ``llama_cpp`` package with the built shared libraries in its ``lib/``, as the wheel lays it out
-    (written beside, then renamed into place)."""
-    tmp = lite.with_name(lite.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(sdist_root / "llama_cpp", tmp / "llama_cpp")
-    (tmp / "llama_cpp" / "lib").mkdir(exist_ok=True)
-    for so in built.glob("lib*.so*"):
-        shutil.copy2(so, tmp / "llama_cpp" / "lib" / so.name, follow_symlinks=True)
-    shutil.rmtree(lite, ignore_errors=True)
-    os.replace(tmp, lite)
+    """The llama.cpp tree vendored in the llama-cpp-python sdist (its converter, gguf-py and libllama), ready for
+    the runners (stream_bench.LLAMA_ENV)."""
+    return sb.ensure_llama_cpp()
 
 
 def gguf_module(llama: Path):
@@ -892,7 +841,7 @@ def prepare(args, cfg: dict, tag: str) -> dict:
         if gguf_job.exitcode != 0:
             raise SystemExit(f"error: writing {gguf_path} failed (exit {gguf_job.exitcode})")
     if want_llama:
-        out["runner_env"] = llama_env(llama)
+        out["runner_env"] = sb.llama_env(llama)
         out["q4_0_differs_from_gguf_py"] = q4_agreement(llama, cfg)
     out["prepare_s"] = time.perf_counter() - t0
     if not args.keep_fp8 and (container / "config.json").is_file() and gguf_path.is_file():

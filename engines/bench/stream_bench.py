@@ -28,6 +28,8 @@ import mmap
 import os
 import platform
 import random
+import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -43,24 +45,42 @@ LLAMA_VERSION = "0.3.36"
 GEOM = {"hidden": 2048, "layers": 16, "heads": 16, "inter": 1024, "experts": 64, "top_k": 8, "vocab": 50304}
 PROMPT_TOKENS, DECODE_TOKENS = 64, 32
 # COLIBRI_BENCH_ENGINES=colibri measures colibri alone (e.g. while the llama.cpp wheel still builds);
-# COLIBRI_BENCH_MODELS=olmoe-synth skips the skewed variant.
+# COLIBRI_BENCH_MODELS=olmoe-synth leaves out the router-skewed variant, which is measured by colibri alone and only
+# in the scenarios of COLIBRI_BENCH_SKEW_SCENARIOS: concurrency, where how much the streams' experts overlap
+# decides what sharing reads can gain (uniform random routing is the worst case; a trained model's is skewed).
 ENGINES = tuple(os.environ.get("COLIBRI_BENCH_ENGINES", "colibri,llama.cpp").split(","))
 MODELS = tuple(os.environ.get("COLIBRI_BENCH_MODELS", "olmoe-synth,olmoe-skew").split(","))
-# COLIBRI_BENCH_PRECISIONS=int8,int4 adds the 4-bit comparison (int4-g64 vs Q4_0); int8 vs Q8_0 is the default.
-SELECTED_PRECISIONS = tuple(os.environ.get("COLIBRI_BENCH_PRECISIONS", "int8").split(","))
+SKEW_SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SKEW_SCENARIOS", "concurrency").split(","))
+# Both bit widths in RAM: int8 per row vs Q8_0 and int4-g64 vs Q4_0. The capped and concurrency scenarios run on the
+# first (int8's 6.9 GB container is the model that "barely does not fit" a 6 GiB cap; int4's would fit).
+SELECTED_PRECISIONS = tuple(os.environ.get("COLIBRI_BENCH_PRECISIONS", "int8,int4").split(","))
 # COLIBRI_BENCH_SCENARIOS=capped re-measures one scenario; COLIBRI_BENCH_MERGE=1 then replaces only the runs it
 # made in bench-results/stream_bench.json and keeps the others (a partial re-run after a fix).
-SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "in_ram,capped,concurrency").split(","))
-# The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer).
+SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "capped,concurrency,in_ram").split(","))
+# In RAM, prefill is measured at a short and a long prompt (llama.cpp batches a whole prompt at once; colibri
+# chunks it), decode after each.
+IN_RAM_PROMPTS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_PROMPTS", "64,512").split(","))
+# The caps: a third of the container (the tight case), then fixed budgets up to one the model barely misses.
+CAPS = tuple(os.environ.get("COLIBRI_BENCH_CAPS", "third,3GiB,5GiB,6GiB").split(","))
+# The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer), under the tight cap.
 STREAMS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_STREAMS", "1,2,4").split(","))
 MERGE = os.environ.get("COLIBRI_BENCH_MERGE") == "1"
-# Under the cap every colibri policy runs this many times, the policies interleaved round by round, and the report
-# takes each one's median: one 32-token run on a shared virtual machine can be 15% off either way.
+# Every scenario runs this many rounds, the engines alternating (each round starts with the other one), and the
+# report takes medians over the quiet runs: one 32-token run on a shared virtual machine can be 15% off either way.
 ROUNDS = int(os.environ.get("COLIBRI_BENCH_ROUNDS", "3"))
-# COLIBRI_BENCH_LLAMA_READAHEAD=128 skips llama.cpp at the disk's own readahead under the cap (12x slower there).
+# colibri's policies measured under each cap (`auto` is what `coli run` does; see POLICIES for the others; the
+# policy comparison has its own section, "Set dueling").
+CAPPED_POLICIES = tuple(os.environ.get("COLIBRI_BENCH_POLICIES", "auto").split(","))
+# llama.cpp runs under a cap at 128 KiB readahead and at the disk's own setting; the better is the peer. Below
+# LLAMA_DISK_READAHEAD_FROM the disk's setting is skipped: at 8192 KiB every fault drags in megabytes that are
+# evicted before use, and llama.cpp was 2.7-12x slower there in every earlier run (0.13 tok/s at a third).
 LLAMA_READAHEADS = os.environ.get("COLIBRI_BENCH_LLAMA_READAHEAD", "128,disk").split(",")
+LLAMA_DISK_READAHEAD_FROM = float(os.environ.get("COLIBRI_BENCH_LLAMA_DISK_RA_FROM_GIB", "4")) * 2**30
 # llama.cpp is the peer on the plain synthetic model; the skewed one measures colibri's caching policies.
 LLAMA_MODELS = ("olmoe-synth",)
+# A run is contended, and left out of the medians, when other processes took more than this share of the machine's
+# CPU time during it (machine_load.LoadWindow; the bench's own processes are in its cpuacct group).
+QUIET_OTHER_CPU = float(os.environ.get("COLIBRI_BENCH_QUIET_OTHER_CPU", "0.10"))
 
 
 def log(msg: str) -> None:
@@ -207,48 +227,64 @@ def build_checkpoint(out: Path, skew: bool, experts_from: Path | None) -> Path:
 
 # ---- 2. llama.cpp -----------------------------------------------------------------------------------------------
 
-def wheel_build_running(sdist: Path) -> bool:
-    """Whether another process is building the wheel from this sdist (pip is silent while cmake runs)."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"wheel" in cmd and any(sdist.name.encode() in part for part in cmd) and int(proc.name) != os.getpid():
-            return True
-    return False
+LLAMA_LITE = "llama-cpp-lite"     # under the bench cache: the sdist's Python package + its libraries
+# What the runners' and the quantizer's environment needs for `import llama_cpp` (set by ensure_llama_cpp).
+LLAMA_ENV: dict[str, str] = {}
 
 
 def ensure_llama_cpp() -> Path:
-    """Install the cached wheel (building it from the sdist once); returns the unpacked sdist."""
-    sdist_dir, wheel_dir = CACHE / "sdist", CACHE / "wheels"
-    sdist_dir.mkdir(parents=True, exist_ok=True)
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    sdist = sdist_dir / f"llama_cpp_python-{LLAMA_VERSION}.tar.gz"
-    if not sdist.is_file():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_VERSION}", "-d", str(sdist_dir)], check=True)
-    wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
-    build_log = wheel_dir / "build.log"
-    while not wheels and wheel_build_running(sdist):
-        time.sleep(15)   # another bench run is building the wheel: wait for it rather than build twice
-        wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
-    if not wheels:
-        log("building llama-cpp-python from its sdist (several minutes)")
-        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2),
-               "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                             "-DLLAMA_BUILD_SERVER=OFF"}
-        with open(build_log, "w") as fh:
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", str(sdist), "-w", str(wheel_dir)],
-                           check=True, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", str(wheels[-1])], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "diskcache", "typing-extensions", "sentencepiece"],
-                   check=False)
-    unpacked = CACHE / "sdist" / f"llama_cpp_python-{LLAMA_VERSION}"
-    if not unpacked.is_dir():
+    """llama.cpp from the llama-cpp-python sdist, ready for the runners; returns the vendored llama.cpp tree."""
+    sdist_dir = CACHE / "sdist"
+    tree = sdist_dir / f"llama_cpp_python-{LLAMA_VERSION}" / "vendor" / "llama.cpp"
+    if not tree.is_dir():
+        sdist_dir.mkdir(parents=True, exist_ok=True)
+        sdist = sdist_dir / f"llama_cpp_python-{LLAMA_VERSION}.tar.gz"
+        if not sdist.is_file():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                            f"llama-cpp-python=={LLAMA_VERSION}", "-d", str(sdist_dir)], check=True)
         subprocess.run(["tar", "xzf", str(sdist), "-C", str(sdist_dir)], check=True)
-    return unpacked / "vendor" / "llama.cpp"
+    LLAMA_ENV.update(llama_env(tree))
+    return tree
+
+
+def llama_env(llama: Path) -> dict[str, str]:
+    """What ``import llama_cpp`` needs in a runner: nothing when the package is installed; else the sdist's own
+    Python package beside ``libllama`` built from the same sdist with the wheel's CMake options (native CPU, no
+    tests, examples or server), library targets only: the wheel also builds llama.cpp's tools and common library,
+    most of its build time, and none of them is used here."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return {}
+    missing = [m for m in ("diskcache", "jinja2", "typing_extensions") if importlib.util.find_spec(m) is None]
+    if missing:     # the package's own dependencies (numpy is there)
+        subprocess.run([sys.executable, "-m", "pip", "install", *(m.replace("_", "-") for m in missing)], check=True)
+    lite = CACHE / LLAMA_LITE
+    lib = lite / "llama_cpp" / "lib"
+    if not (lib / "libllama.so").is_file():
+        sdist_root = llama.parents[1]
+        build = CACHE / "llama-build"
+        log("building libllama from the llama-cpp-python sdist (library targets only)")
+        subprocess.run(["cmake", "-S", str(sdist_root), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_SERVER=OFF"], check=True, capture_output=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama", "-j", str(os.cpu_count() or 2)],
+                       check=True, capture_output=True)
+        install_lite(sdist_root, build / "bin", lite)
+    return {"PYTHONPATH": str(lite), "LD_LIBRARY_PATH": str(lib)}
+
+
+def install_lite(sdist_root: Path, built: Path, lite: Path) -> None:
+    """The sdist's ``llama_cpp`` package with the built shared libraries in its ``lib/``, as the wheel lays it out
+    (written beside, then renamed into place)."""
+    tmp = lite.with_name(lite.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(sdist_root / "llama_cpp", tmp / "llama_cpp")
+    (tmp / "llama_cpp" / "lib").mkdir(exist_ok=True)
+    for so in built.glob("lib*.so*"):
+        shutil.copy2(so, tmp / "llama_cpp" / "lib" / so.name, follow_symlinks=True)
+    shutil.rmtree(lite, ignore_errors=True)
+    os.replace(tmp, lite)
 
 
 CONVERT_SHIM = """
@@ -298,7 +334,7 @@ def ensure_gguf(llama: Path, model: Path, gguf_type: str) -> Path:
         log(f"quantizing {source.name} to {gguf_type}")
         tmp = out.with_suffix(".tmp.gguf")
         subprocess.run([sys.executable, "-c", QUANTIZE_SHIM, str(source), str(tmp),
-                        f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}"], check=True)
+                        f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}"], check=True, env={**os.environ, **LLAMA_ENV})
         os.replace(tmp, out)
         source.unlink()     # 14 GB of disk: the bf16 GGUF was only a stepping stone
     return out
@@ -325,7 +361,9 @@ def read_bytes():
             return int(line.split()[1])
     return 0
 r0 = read_bytes(); t = time.perf_counter()
-llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=64, verbose=False)
+# n_ctx and n_batch (argv 4 and 5): the whole prompt in one batch, as llama.cpp's own tools feed it
+n_ctx, n_batch = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (512, 64)
+llm = Llama(model_path=sys.argv[1], n_ctx=n_ctx, n_threads=2, n_threads_batch=2, n_batch=n_batch, verbose=False)
 load_s = time.perf_counter() - t
 r1 = read_bytes(); t = time.perf_counter()
 llm.eval(prompt)
@@ -459,9 +497,10 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def workload(vocab: int, locality: bool, seed: int = 1234) -> tuple[list[int], list[int]]:
+def workload(vocab: int, locality: bool, seed: int = 1234,
+             prompt_tokens: int = PROMPT_TOKENS) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
-    prompt = [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS)]
+    prompt = [rng.randrange(2, vocab) for _ in range(prompt_tokens)]
     forced: list[int] = []
     for _ in range(DECODE_TOKENS):   # with locality, half the steps revisit one of the last 8 tokens
         if locality and forced and rng.random() < 0.5:
@@ -481,28 +520,37 @@ POLICY_LABELS = {"lru": "LRU", "hotset": "hot set", "prefetch": "LRU + prefetch"
                  "auto": "duel + prefetch (default)", "lookahead": "default + lookahead"}
 
 
+def context_for(prompt_tokens: int) -> int:
+    """The context both engines get: the prompt and its decode steps, with room to spare, as a power of two."""
+    ctx = 256
+    while ctx < 2 * (prompt_tokens + DECODE_TOKENS):
+        ctx *= 2
+    return ctx
+
+
 def run_colibri(model: Path, ram: int | None, group: CappedGroup | None, locality: bool, policy: str = "auto",
-                warm_request: bool = False, seed: int = 1234) -> dict:
+                warm_request: bool = False, seed: int = 1234, prompt_tokens: int = PROMPT_TOKENS,
+                tune: object = None) -> dict:
     """One engine process: load, (optionally one unrelated warm-up request), then the measured request.
 
-    ``policy``: a key of POLICIES."""
+    ``policy``: a key of POLICIES; ``tune``: the `coli tune` profile `coli run` would use (None: untuned)."""
     from colibri import launch
     from colibri.engine import Engine
     from colibri.model import resolve_model
 
     resolved = resolve_model(str(model), None)
     streaming = launch.Streaming(**POLICIES[policy])
-    spec = launch.prepare(resolved, ram_gib=(ram / launch.GIB) if ram else None, ctx=256, threads=2,
-                          streaming=streaming)
+    spec = launch.prepare(resolved, ram_gib=(ram / launch.GIB) if ram else None, ctx=context_for(prompt_tokens),
+                          threads=2, streaming=streaming, tune=tune)
     argv = group.wrap(list(spec.argv)) if group else list(spec.argv)
-    prompt, forced = workload(GEOM["vocab"], locality, seed)
+    prompt, forced = workload(GEOM["vocab"], locality, seed, prompt_tokens)
     t = time.perf_counter()
     with Engine(argv, env=spec.env, ready_timeout=1800) as eng:
         load_s = time.perf_counter() - t
         if warm_request:
             # colibri's cache fills lazily while llama.cpp's mmap is populated at load: in the warm in-RAM
             # scenario one unrelated request (another prompt: no prefix to reuse) makes both start warm.
-            warm_prompt, warm_forced = workload(GEOM["vocab"], locality, seed=99)
+            warm_prompt, warm_forced = workload(GEOM["vocab"], locality, seed=99, prompt_tokens=prompt_tokens)
             eng.generate(warm_prompt, max_tokens=DECODE_TOKENS, forced=warm_forced)
         result = eng.generate(prompt, max_tokens=DECODE_TOKENS, forced=forced)
         rss = peak_rss(eng.proc.pid)
@@ -512,10 +560,12 @@ def run_colibri(model: Path, ram: int | None, group: CappedGroup | None, localit
     return stats
 
 
-def run_llama(gguf: Path, group: CappedGroup | None, locality: bool) -> dict:
-    prompt, forced = workload(GEOM["vocab"], locality)
-    argv = [sys.executable, "-c", LLAMA_RUNNER, str(gguf), json.dumps(prompt), json.dumps(forced)]
-    proc = subprocess.run(group.wrap(argv) if group else argv, capture_output=True, text=True, timeout=7200)
+def run_llama(gguf: Path, group: CappedGroup | None, locality: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    prompt, forced = workload(GEOM["vocab"], locality, prompt_tokens=prompt_tokens)
+    argv = [sys.executable, "-c", LLAMA_RUNNER, str(gguf), json.dumps(prompt), json.dumps(forced),
+            str(context_for(prompt_tokens)), str(min(512, prompt_tokens))]
+    proc = subprocess.run(group.wrap(argv) if group else argv, capture_output=True, text=True, timeout=7200,
+                          env={**os.environ, **LLAMA_ENV})
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -574,8 +624,15 @@ def token_times(req) -> list[float]:
     return times
 
 
+def load_window(*pids: int):
+    """A LoadWindow that counts every process of this bench as its own (OWN_CPU, when root made the group)."""
+    from machine_load import LoadWindow
+
+    return LoadWindow(pids, group=OWN_CPU)
+
+
 def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locality: bool, n: int,
-                        slots: int) -> dict:
+                        slots: int, tune: object = None) -> dict:
     """One engine of ``slots`` slots under the budget: an unmeasured warm-up request, then n streams sent in one
     write, so they prefill in the same round and decode together. Aggregate decode tok/s is the tokens that came
     after the last stream's first token over the wall time from then to the last one."""
@@ -584,16 +641,15 @@ def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locali
     from colibri import launch
     from colibri.engine import Engine
     from colibri.model import resolve_model
-    from machine_load import LoadWindow
 
     spec = launch.prepare(resolve_model(str(model), None), ram_gib=ram / launch.GIB, ctx=256, slots=slots,
-                          threads=2)
+                          threads=2, tune=tune)
     argv = group.wrap(list(spec.argv)) if group else list(spec.argv)
     with Engine(argv, env=spec.env, ready_timeout=1800) as eng:
         warm_prompt, warm_forced = workload(GEOM["vocab"], locality, seed=99)
         eng.generate(warm_prompt, max_tokens=DECODE_TOKENS, forced=warm_forced)
         eng.reset(0)
-        with LoadWindow((eng.proc.pid,)) as window, ThreadPoolExecutor(n) as pool:
+        with load_window(eng.proc.pid) as window, ThreadPoolExecutor(n) as pool:
             with eng.together():
                 reqs = [eng.submit(p, slot=i, max_tokens=DECODE_TOKENS, forced=f)
                         for i, (p, f) in enumerate(stream_workloads(GEOM["vocab"], locality, n))]
@@ -615,48 +671,195 @@ def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locali
 
 
 def run_llama_streams(gguf: Path, group: CappedGroup | None, locality: bool, n: int) -> dict:
-    from machine_load import LoadWindow
-
     argv = [sys.executable, "-c", LLAMA_PARALLEL_RUNNER, str(gguf),
             json.dumps(stream_workloads(GEOM["vocab"], locality, n))]
-    with LoadWindow() as window:
-        proc = subprocess.run(group.wrap(argv) if group else argv, capture_output=True, text=True, timeout=7200)
+    with load_window() as window:
+        proc = subprocess.run(group.wrap(argv) if group else argv, capture_output=True, text=True, timeout=7200,
+                              env={**os.environ, **LLAMA_ENV})
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "streams": n, "load_average": window.load_average,
             "other_cpu_share": window.other_cpu_share}
 
 
-def run_concurrency(results: dict, model: Path, precision: str, container: Path, gguf, cap_bytes: int,
-                    locality: bool) -> None:
+# ---- 3. the scenarios -------------------------------------------------------------------------------------------
+
+OWN_CPU = None   # machine_load.OwnCpuGroup of this bench, made in main()
+
+
+class Session:
+    """What every scenario of one `nox -s bench` shares: the results so far, the disk, its readahead before the
+    bench, the `coli tune` profile `coli run` would use, and llama.cpp's GGUFs (made on first use)."""
+
+    def __init__(self, results: dict, disk: str, original_ra: int, tune: object):
+        self.results, self.disk, self.original_ra, self.tune = results, disk, original_ra, tune
+        self.llama_dir: Path | None = None
+        self.llama_tried = False
+
+    def gguf(self, model: Path, precision: str) -> Path | None:
+        """llama.cpp set up on first use, so colibri's figures arrive even if llama.cpp cannot be built."""
+        if "llama.cpp" not in ENGINES or model.name not in LLAMA_MODELS:
+            return None
+        if not self.llama_tried:
+            self.llama_tried = True
+            try:
+                self.llama_dir = ensure_llama_cpp()
+            except (subprocess.CalledProcessError, OSError) as exc:
+                log(f"llama.cpp unavailable: {exc}")
+        if self.llama_dir is None:
+            return None
+        try:
+            return ensure_gguf(self.llama_dir, model, PRECISIONS[precision]["gguf"])
+        except (subprocess.CalledProcessError, OSError) as exc:
+            log(f"GGUF conversion failed: {exc}")
+            return None
+
+    def save(self, run: dict) -> None:
+        log(json.dumps({k: v for k, v in run.items() if k in ("decode_tps", "prefill_tps", "aggregate_tps",
+                                                              "load_average", "other_cpu_share", "error")}))
+        self.results["runs"].append(run)
+        (RESULTS / "stream_bench.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def measured(fn, *args, **kwargs) -> dict:
+    """Run one engine run inside a LoadWindow; a failed run is recorded, never fatal to the others."""
+    with load_window() as window:
+        try:
+            stats = fn(*args, **kwargs)
+        except Exception as exc:   # one failed run must not lose the others
+            stats = {"error": f"{type(exc).__name__}: {exc}"}
+    return {**stats, "load_average": window.load_average, "other_cpu_share": window.other_cpu_share}
+
+
+def quiet(stats: dict) -> dict:
+    return {**stats, "quiet": stats.get("other_cpu_share", 1.0) <= QUIET_OTHER_CPU}
+
+
+def engine_order(round_index: int) -> list[str]:
+    """The engines of one round: each round starts with the other engine, so neither always runs first."""
+    return list(ENGINES) if round_index % 2 == 0 else list(reversed(ENGINES))
+
+
+def warm_page_cache(files: list[Path]) -> None:
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=False)
+
+
+def run_in_ram(S: Session, model: Path, precision: str, container: Path, locality: bool) -> None:
+    """Scenario (a): the model in RAM, page cache warm (files read first; colibri answers one unrelated request
+    first, its cache filled as llama.cpp's mmap is at load), at each prompt length, ROUNDS alternated rounds."""
+    for prompt in IN_RAM_PROMPTS:
+        for r in range(ROUNDS):
+            for engine in engine_order(r):
+                gguf = S.gguf(model, precision) if engine == "llama.cpp" else None
+                if engine == "llama.cpp" and gguf is None:
+                    continue
+                set_readahead(S.disk, S.original_ra)
+                warm_page_cache([*container.glob("*.safetensors")] if engine == "colibri" else [gguf])
+                log(f"{model.name}/{precision} in RAM, {prompt}-token prompt, {engine} (round {r + 1})")
+                (container / ".colibri-hotset").unlink(missing_ok=True)
+                stats = (measured(run_colibri, container, None, None, locality, "auto", warm_request=True,
+                                  prompt_tokens=prompt, tune=S.tune) if engine == "colibri"
+                         else measured(run_llama, gguf, None, locality, prompt))
+                S.save(quiet({"model": model.name, "precision": precision, "scenario": "in_ram", "temp": "warm",
+                              "engine": engine, "variant": "auto" if engine == "colibri" else "mmap",
+                              "readahead_kb": S.original_ra, "prompt_tokens": prompt, "round": r + 1, **stats}))
+
+
+def cap_bytes_of(name: str, container_size: int) -> int:
+    """A cap's bytes: ``third`` (of the container) or a size such as ``5GiB``."""
+    if name == "third":
+        return container_size // 3
+    if name.endswith("GiB"):
+        return int(float(name[:-3]) * 2**30)
+    raise SystemExit(f"COLIBRI_BENCH_CAPS: {name!r} is neither 'third' nor a size like '5GiB'")
+
+
+def llama_readaheads(S: Session, cap: int) -> list[int]:
+    wanted = {S.original_ra if ra == "disk" else int(ra) for ra in LLAMA_READAHEADS}
+    if cap < LLAMA_DISK_READAHEAD_FROM and len(wanted) > 1:
+        wanted.discard(S.original_ra)
+    return sorted(wanted)
+
+
+def run_capped(S: Session, model: Path, precision: str, container: Path, locality: bool, cap_name: str) -> None:
+    """Scenario (b): RAM capped by a cgroup v1 memory group (page cache included), each engine cold (page cache
+    dropped) then warm (run again at once: under the cap the group's page cache is charged to it, so a warm run
+    after the other engine's would inherit that engine's pages), ROUNDS alternated rounds."""
+    cap = cap_bytes_of(cap_name, container_bytes(container))
+    group = CappedGroup(cap, f"cap-{cap_name}")
+    sidecar = container / ".colibri-hotset"
+    try:
+        # One unmeasured run on another stretch of the same kind of text, under the same budget: on olmoe-skew the
+        # learned hot set comes from it (earlier traffic), and on every model it brings the virtual disk's host
+        # cache to the state the later runs see, so the first measured run does not pay for it alone.
+        sidecar.unlink(missing_ok=True)
+        log(f"{model.name}/{precision} cap {cap_name}: a first, unmeasured run")
+        measured(run_colibri, container, cap, group, locality, seed=77, tune=S.tune)
+        learned = sidecar.read_bytes() if model.name == "olmoe-skew" and sidecar.is_file() else None
+        for r in range(ROUNDS):
+            for engine in engine_order(r):
+                gguf = S.gguf(model, precision) if engine == "llama.cpp" else None
+                if engine == "llama.cpp" and gguf is None:
+                    continue
+                variants = ([(p, S.original_ra) for p in CAPPED_POLICIES] if engine == "colibri"
+                            else [("mmap", ra) for ra in llama_readaheads(S, cap)[::1 if r % 2 == 0 else -1]])
+                for variant, ra in variants:
+                    for temp in ("cold", "warm"):
+                        set_readahead(S.disk, ra)
+                        if temp == "cold":
+                            drop_caches()
+                        if learned is None:   # a run's own counts, saved at its exit, must not teach the next
+                            sidecar.unlink(missing_ok=True)
+                        else:
+                            sidecar.write_bytes(learned)
+                        log(f"{model.name}/{precision} cap {cap_name} {temp} {engine} {variant} readahead {ra} KiB "
+                            f"(round {r + 1})")
+                        stats = (measured(run_colibri, container, cap, group, locality, variant, tune=S.tune)
+                                 if engine == "colibri" else measured(run_llama, gguf, group, locality))
+                        S.save(quiet({"model": model.name, "precision": precision, "scenario": "capped",
+                                      "cap_name": cap_name, "cap_bytes": cap, "temp": temp, "engine": engine,
+                                      "variant": variant, "readahead_kb": ra, "prompt_tokens": PROMPT_TOKENS,
+                                      "round": r + 1, **stats}))
+    finally:
+        set_readahead(S.disk, S.original_ra)
+        group.close()
+
+
+def run_concurrency(S: Session, model: Path, precision: str, container: Path, locality: bool) -> None:
     """Scenario (c): ROUNDS rounds, each every stream count on each engine in turn (the engines alternate, and each
-    round starts one stream count later), all under the capped group, the page cache warm from earlier runs."""
-    group = CappedGroup(cap_bytes, "streams")
+    round starts one stream count later), all under the tight cap, the page cache warm from earlier runs."""
+    cap = cap_bytes_of("third", container_bytes(container))
+    group = CappedGroup(cap, "streams")
     try:
         for r in range(ROUNDS):
             for k in range(len(STREAMS)):
                 n = STREAMS[(r + k) % len(STREAMS)]
-                for engine in ENGINES:
-                    path = gguf(model, precision) if engine == "llama.cpp" else container
-                    if path is None:
+                for engine in engine_order(r + k):
+                    gguf = S.gguf(model, precision) if engine == "llama.cpp" else None
+                    if engine == "llama.cpp" and gguf is None:
                         continue
-                    log(f"{model.name}/{precision} concurrency {n} streams {engine} (round {r + 1})")
+                    # llama.cpp at its better readahead under a cap (128 KiB: see LLAMA_READAHEADS); colibri reads
+                    # its experts with O_DIRECT when tuned so, and at the disk's setting otherwise, as capped.
+                    ra = min(llama_readaheads(S, cap)) if engine == "llama.cpp" else S.original_ra
+                    set_readahead(S.disk, ra)
+                    log(f"{model.name}/{precision} concurrency {n} streams {engine} readahead {ra} KiB "
+                        f"(round {r + 1})")
                     (container / ".colibri-hotset").unlink(missing_ok=True)   # no run teaches the next
                     try:
-                        stats = (run_colibri_streams(container, int(cap_bytes * 0.9), group, locality, n, max(STREAMS))
-                                 if engine == "colibri" else run_llama_streams(path, group, locality, n))
+                        stats = (run_colibri_streams(container, cap, group, locality, n, max(STREAMS), S.tune)
+                                 if engine == "colibri" else run_llama_streams(gguf, group, locality, n))
                     except Exception as exc:   # one failed run must not lose the others
                         stats = {"error": f"{type(exc).__name__}: {exc}"}
-                    log(json.dumps(stats)[:300])
-                    results["runs"].append({"model": model.name, "precision": precision, "scenario": "concurrency",
-                                            "temp": "warm", "engine": engine, "variant": f"{n} streams",
-                                            **stats, "streams": n})
-                    (RESULTS / "stream_bench.json").write_text(json.dumps(results, indent=1))
+                    S.save(quiet({"model": model.name, "precision": precision, "scenario": "concurrency",
+                                  "cap_name": "third", "cap_bytes": cap, "temp": "warm", "engine": engine,
+                                  "variant": f"{n} streams", "readahead_kb": ra, "round": r + 1, **stats,
+                                  "streams": n}))
     finally:
+        set_readahead(S.disk, S.original_ra)
         group.close()
 
 
-# ---- 3. the runs and the report ---------------------------------------------------------------------------------
+# ---- 4. the session ---------------------------------------------------------------------------------------------
 
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -664,7 +867,8 @@ def machine() -> dict:
     mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                if line.startswith("MemTotal"))
     flags = Path("/proc/cpuinfo").read_text()
-    isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else "scalar"
+    isa = ("avx512-vnni" if " avx512_vnni" in flags else "avx512" if " avx512f" in flags
+           else "avx2" if " avx2" in flags else "scalar")
     return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": mem, "isa": isa, "kernel": platform.release(),
             "load_average": os.getloadavg()}
 
@@ -672,8 +876,8 @@ def machine() -> dict:
 def measure_disk(model: Path) -> dict:
     """The disk's sequential O_DIRECT bandwidth on the files the engines read (the two largest shards of ``model``:
     a virtual disk may be cached by its host, so other files can be slower or faster than the model's), at queue
-    depth 1 and with 4 concurrent readers (colibri's I/O pool reads several experts at once), each on a cold page
-    cache and a different shard; the bound uses the better."""
+    depth 1 and with 4 concurrent readers, each on a cold page cache and a different shard. For reference only:
+    the disk bound is `coli tune`'s, at the engine's own queue depth."""
     first, second = sorted(model.glob("*.safetensors"), key=lambda f: f.stat().st_size)[-2:]
     drop_caches()
     qd1 = disk_bandwidth(first)
@@ -681,127 +885,79 @@ def measure_disk(model: Path) -> dict:
     qd4 = disk_bandwidth(second, readers=4)
     log(f"disk: {qd1 / 1e9:.2f} GB/s sequential O_DIRECT at queue depth 1, {qd4 / 1e9:.2f} GB/s with 4 readers "
         f"({model.name})")
-    return {"disk_bandwidth": max(qd1, qd4), "disk_bandwidth_qd1": qd1, "disk_bandwidth_4_readers": qd4,
-            "disk_measured_on": model.name}
+    return {"disk_bandwidth_qd1": qd1, "disk_bandwidth_4_readers": qd4, "disk_measured_on": model.name}
+
+
+def run_tune(container: Path) -> tuple[object, dict]:
+    """`coli tune --model` on the container (random expert-sized reads of its own shards at queue depths 1-8,
+    buffered and O_DIRECT, and the expert kernels' time), saved where `coli run` finds it: every colibri run of the
+    bench uses it as `coli run` would, and the disk bound is its bandwidth at the depth it chose."""
+    from colibri import tune
+
+    drop_caches()
+    subprocess.run([sys.executable, "-c", "from colibri.cli import main; main()", "tune", "--model", str(container)],
+                   check=True)
+    profile = tune.load_profile(container)
+    if profile is None:
+        raise SystemExit(f"coli tune saved no profile for {container}")
+    c = profile.choices
+    summary = {"disk_bandwidth": c.disk_bandwidth, "io_threads": c.io_threads, "io": c.io,
+               "staging_buffers": c.staging_buffers, "prefill_chunk": c.prefill_chunk, "lookahead": c.lookahead,
+               "expert_bytes": profile.expert_bytes, "qpath": profile.qpath,
+               "reads": [{"depth": p.depth, "direct": p.direct, "bytes_per_s": p.bytes_per_s} for p in profile.reads]}
+    log(f"coli tune: {c.disk_bandwidth / 1e9:.2f} GB/s at {c.io_threads} I/O threads ({c.io}), prefill chunk "
+        f"{c.prefill_chunk}, lookahead {'on' if c.lookahead else 'off'}")
+    return profile, summary
 
 
 def container_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def plan_runs(scenario: str, model_name: str, original_ra: int) -> list[tuple[str, str, int]]:
-    """(engine, variant, readahead KiB) in A/B order for one scenario: colibri as `coli run` would start it, the
-    other POLICIES under the cap (the policy comparison), llama.cpp at each readahead worth trying (the better one
-    is the peer; readahead only matters when pages are evicted)."""
-    runs = []
-    for engine in ENGINES:
-        if engine == "colibri":
-            rounds = ROUNDS if scenario == "capped" else 1
-            policies = list(POLICIES) if scenario == "capped" else ["auto"]
-            for r in range(rounds):   # each round starts one policy later, so none is always first
-                runs += [("colibri", policies[(r + i) % len(policies)], original_ra) for i in range(len(policies))]
-        elif engine == "llama.cpp" and model_name in LLAMA_MODELS:
-            wanted = {original_ra if r == "disk" else int(r) for r in LLAMA_READAHEADS}
-            for ra in (sorted(wanted) if scenario == "capped" else [original_ra]):
-                runs.append(("llama.cpp", "mmap", ra))
-    return runs
-
-
 def main() -> int:
+    global OWN_CPU
+    from machine_load import OwnCpuGroup
+
+    OWN_CPU = OwnCpuGroup.create()
     CACHE.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(exist_ok=True)
     base = build_checkpoint(CACHE / "olmoe-synth", skew=False, experts_from=None)
-    skew = build_checkpoint(CACHE / "olmoe-skew", skew=True, experts_from=base)
+    models = [(base, False)]
+    if "olmoe-skew" in MODELS:
+        models.append((build_checkpoint(CACHE / "olmoe-skew", skew=True, experts_from=base), True))
+    models = [(m, loc) for m, loc in models if m.name in MODELS]
     disk = root_disk()
-    bandwidth = measure_disk(ensure_container(base, SELECTED_PRECISIONS[0]))
-    llama_state: dict = {}
-
-    def llama_gguf(model: Path, precision: str) -> Path | None:
-        """llama.cpp set up on first use, so colibri's figures arrive even if the wheel cannot be built."""
-        if "dir" not in llama_state:
-            try:
-                llama_state["dir"] = ensure_llama_cpp()
-            except (subprocess.CalledProcessError, OSError) as exc:
-                log(f"llama.cpp unavailable: {exc}")
-                llama_state["dir"] = None
-        if llama_state["dir"] is None:
-            return None
-        try:
-            return ensure_gguf(llama_state["dir"], model, PRECISIONS[precision]["gguf"])
-        except (subprocess.CalledProcessError, OSError) as exc:
-            log(f"GGUF conversion failed: {exc}")
-            return None
-
+    first = ensure_container(base, SELECTED_PRECISIONS[0])
     original_ra = int(readahead_file(disk).read_text()) if readahead_file(disk).is_file() else 0
+    profile, tuned = run_tune(first)
     if MERGE and (RESULTS / "stream_bench.json").is_file():   # the runs this partial re-run does not repeat
         (RESULTS / "stream_bench.json.prev").write_text((RESULTS / "stream_bench.json").read_text())
-    results: dict = {"machine": machine(), "disk": disk, **bandwidth, "prompt_tokens": PROMPT_TOKENS,
-                     "decode_tokens": DECODE_TOKENS, "models": {}, "runs": []}
-    for precision in SELECTED_PRECISIONS:
-        for model, locality in [(m, loc) for m, loc in ((base, False), (skew, True)) if m.name in MODELS]:
-            container = ensure_container(model, precision)
-            size = container_bytes(container)
-            cap_bytes = size // 3
-            results["models"][f"{model.name}/{precision}"] = {"bytes": size, "cap_bytes": cap_bytes}
-            for scenario in SCENARIOS:
-                if scenario == "concurrency":
-                    if model.name in LLAMA_MODELS:   # the plain model: llama.cpp's peer figures are on it
-                        run_concurrency(results, model, precision, container, llama_gguf, cap_bytes, locality)
+    results: dict = {"machine": machine(), "disk": disk, **measure_disk(first), "tune": tuned,
+                     "disk_bandwidth": tuned["disk_bandwidth"], "prompt_tokens": PROMPT_TOKENS,
+                     "decode_tokens": DECODE_TOKENS, "rounds": ROUNDS, "quiet_other_cpu": QUIET_OTHER_CPU,
+                     "models": {}, "runs": [], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    S = Session(results, disk, original_ra, profile)
+    # Scenario by scenario, in SCENARIOS' order (the CPU-bound in-RAM runs last by default, when a machine that
+    # was busy at the start has most likely calmed down); caps and streams on the first bit width only.
+    for scenario in SCENARIOS:
+        for i, precision in enumerate(SELECTED_PRECISIONS):
+            for model, locality in models:
+                if (scenario not in (SKEW_SCENARIOS if model.name == "olmoe-skew" else SCENARIOS)
+                        or (i > 0 and scenario != "in_ram")):
                     continue
-                group = None
-                sidecar = container / ".colibri-hotset"
-                learned = None   # what every measured run starts from: no sidecar, or the learning run's
-                sidecar.unlink(missing_ok=True)
-                try:
-                    if scenario == "capped":
-                        group = CappedGroup(cap_bytes)
-                        # One unmeasured run on another stretch of the same kind of text, under the same budget:
-                        # on olmoe-skew the learned hot set comes from it (earlier traffic), and on every model it
-                        # brings the virtual disk's host cache to the state the later runs see, so the first
-                        # measured policy does not pay for it alone.
-                        log(f"{model.name}/{precision}: a first, unmeasured run (learning the hot set)")
-                        run_colibri(container, cap_bytes, group, locality, seed=77)
-                        if model.name == "olmoe-skew":
-                            learned = sidecar.read_bytes()
-                    # Each engine's warm run follows its own cold one: under the cap, the group's page cache is
-                    # charged to it, so a run after the other engine's would inherit that engine's pages.
-                    for engine, variant, ra in plan_runs(scenario, model.name, original_ra):
-                        for temp in ("cold", "warm"):
-                            gguf = llama_gguf(model, precision) if engine == "llama.cpp" else None
-                            if engine == "llama.cpp" and not gguf:
-                                continue
-                            set_readahead(disk, ra)
-                            files = [*container.glob("*.safetensors")] if engine == "colibri" else [gguf]
-                            if temp == "cold":
-                                drop_caches()
-                            elif scenario == "in_ram":
-                                subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=False)
-                            log(f"{model.name}/{precision} {scenario} {temp} {engine} {variant} readahead {ra} KiB")
-                            if learned is None:
-                                sidecar.unlink(missing_ok=True)
-                            else:   # a run's own counts, saved at its exit, must not teach the next run
-                                sidecar.write_bytes(learned)
-                            try:
-                                if engine == "colibri":
-                                    ram = cap_bytes if scenario == "capped" else None
-                                    stats = run_colibri(container, ram, group, locality, variant,
-                                                        warm_request=scenario == "in_ram" and temp == "warm")
-                                else:
-                                    stats = run_llama(gguf, group, locality)
-                            except Exception as exc:   # one failed run must not lose the others
-                                stats = {"error": f"{type(exc).__name__}: {exc}"}
-                            log(json.dumps(stats)[:300])
-                            results["runs"].append({"model": model.name, "precision": precision,
-                                                    "scenario": scenario, "temp": temp, "engine": engine,
-                                                    "variant": variant, "readahead_kb": ra, **stats})
-                            (RESULTS / "stream_bench.json").write_text(json.dumps(results, indent=1))
-                except (RuntimeError, OSError) as exc:
-                    results["runs"].append({"model": model.name, "precision": precision, "scenario": scenario,
-                                            "error": str(exc)})
-                finally:
-                    if group:
-                        group.close()
+                container = ensure_container(model, precision)
+                size = container_bytes(container)
+                results["models"][f"{model.name}/{precision}"] = {
+                    "bytes": size, "caps": {name: cap_bytes_of(name, size) for name in CAPS}}
+                if scenario == "in_ram":
+                    run_in_ram(S, model, precision, container, locality)
+                elif scenario == "capped":
+                    for cap_name in CAPS:
+                        run_capped(S, model, precision, container, locality, cap_name)
+                elif scenario == "concurrency":
+                    run_concurrency(S, model, precision, container, locality)
     set_readahead(disk, original_ra)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if MERGE and (RESULTS / "stream_bench.json.prev").is_file():
         earlier = json.loads((RESULTS / "stream_bench.json.prev").read_text())
         made = {(r["model"], r.get("precision"), r["scenario"]) for r in results["runs"]}
@@ -812,59 +968,18 @@ def main() -> int:
     return 0
 
 
-def median_run(runs: list[dict], **where) -> dict | None:
-    """The run with the median decode speed among the matching ones (the lower middle one of an even count)."""
-    ok = sorted((r for r in runs if all(r.get(k) == v for k, v in where.items()) and "decode_tps" in r),
-                key=lambda r: r["decode_tps"])
-    return ok[(len(ok) - 1) // 2] if ok else None
+# ---- 5. the report ----------------------------------------------------------------------------------------------
+
+def runs_of(results: dict, **where) -> list[dict]:
+    """The finished runs matching ``where`` (a failed run carries "error" and no speed)."""
+    return [r for r in results["runs"] if "error" not in r and all(r.get(k) == v for k, v in where.items())
+            and ("decode_tps" in r or "aggregate_tps" in r)]
 
 
-def median_by(runs: list[dict], key: str, **where) -> dict | None:
-    """The run with the median ``key`` among the matching ones that have it (the lower middle one of an even count)."""
-    ok = sorted((r for r in runs if all(r.get(k) == v for k, v in where.items()) and r.get(key) is not None),
-                key=lambda r: r[key])
-    return ok[(len(ok) - 1) // 2] if ok else None
-
-
-def concurrency_lines(results: dict) -> list[str]:
-    """The concurrency table: per stream count, each engine's median aggregate decode tok/s and its multiple of one
-    stream, with the median run's load average and other processes' CPU share."""
-    runs = [r for r in results["runs"] if r.get("scenario") == "concurrency"]
-    if not runs:
-        return []
-    lines = ["", "Concurrency under the cap (1/3 of the container; one engine of "
-             f"{max(STREAMS)} slots for every stream count): streams started together, each a different "
-             f"{PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} teacher-forced decode steps; aggregate decode "
-             "tok/s = tokens after the last stream's first one over the wall time from then to the last token "
-             "(colibri), or every sequence's decode steps over the batched decode loop's "
-             f"time (llama.cpp's parallel sequences). Medians of {ROUNDS}; load average and other processes' CPU "
-             "share of the median run.", "",
-             "| bits | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | load avg "
-             "| others' CPU | llama.cpp aggregate tok/s | x one stream | colibri / llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for precision in SELECTED_PRECISIONS:
-        one_c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=1)
-        one_l = median_by(runs, "aggregate_tps", engine="llama.cpp", precision=precision, streams=1)
-        for n in STREAMS:
-            c = median_by(runs, "aggregate_tps", engine="colibri", precision=precision, streams=n) or {}
-            ll = median_by(runs, "aggregate_tps", engine="llama.cpp", precision=precision, streams=n) or {}
-            if not c and not ll:
-                continue
-            d = c.get("decode", {})
-            ct, lt = c.get("aggregate_tps"), ll.get("aggregate_tps")
-            read = f"{d['bytes_read'] / max(1, d['steps']) / 1e6:.0f} MB" if d.get("steps") else "–"
-            lines.append(
-                f"| {precision} | {n} | {fmt(ct)} | {fmt(ct / one_c['aggregate_tps'] if ct and one_c else None)} | "
-                f"{100 * float(d.get('hit_rate', 0)):.0f}% | {read} | {fmt(c.get('load_average'), '.1f')} | "
-                f"{fmt(100 * c['other_cpu_share'] if 'other_cpu_share' in c else None, '.0f')} % | {fmt(lt)} | "
-                f"{fmt(lt / one_l['aggregate_tps'] if lt and one_l else None)} | "
-                f"{fmt(ct / lt if ct and lt else None)} |")
-    return lines
-
-
-def best(runs: list[dict], **where) -> dict | None:
-    ok = [r for r in runs if all(r.get(k) == v for k, v in where.items()) and "decode_tps" in r]
-    return max(ok, key=lambda r: r["decode_tps"]) if ok else None
+def chosen(runs: list[dict]) -> tuple[list[dict], bool]:
+    """The quiet runs, or every run (flagged contended) when none was quiet."""
+    calm = [r for r in runs if r.get("quiet")]
+    return (calm, False) if calm else (runs, bool(runs))
 
 
 def decode_of(run: dict) -> dict:
@@ -872,45 +987,171 @@ def decode_of(run: dict) -> dict:
     return run.get("decode") or run
 
 
-def bound_of(run: dict, bw: float) -> float | None:
-    """tok/s the disk allows at this run's decode hit rate: bandwidth / ((1 - hit rate) x routed bytes/token)."""
-    miss_bytes = (1 - float(decode_of(run).get("hit_rate", 0))) * run["routed_bytes_per_token"]
-    return bw / miss_bytes if miss_bytes > 0 else None
+def med(runs: list[dict], value) -> float | None:
+    """Median of ``value(run)`` (a key, or a function of a run) over the runs that have it."""
+    got = [v for v in ((r.get(value) if isinstance(value, str) else value(r)) for r in runs) if v is not None]
+    return statistics.median(got) if got else None
+
+
+def per_token(key: str):
+    def value(run: dict) -> float | None:
+        d = decode_of(run)
+        return d[key] / max(1, d.get("steps", DECODE_TOKENS)) if d.get(key) is not None else None
+    return value
+
+
+def hit_rate(run: dict) -> float | None:
+    d = decode_of(run)
+    return float(d["hit_rate"]) if "hit_rate" in d else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def calm_note(runs: list[dict], total: int) -> str:
+    loads = [r["load_average"] for r in runs if "load_average" in r]
+    others = [r["other_cpu_share"] for r in runs if "other_cpu_share" in r]
+    if not loads:
+        return f"{len(runs)}/{total}"
+    return (f"{len(runs)}/{total}, load {min(loads):.1f}-{max(loads):.1f}, others <= "
+            f"{100 * max(others):.0f}%")
+
+
+SPLIT_KEYS = ("io_wait_s", "expert_s", "attention_s", "other_s")   # done.decode's phases, seconds
+
+
+def summarize(results: dict) -> dict:
+    """Medians over quiet runs for every table of the report."""
+    bw = results["disk_bandwidth"]
+    first = SELECTED_PRECISIONS[0]
+    summary: dict = {"in_ram": [], "capped": [], "concurrency": []}
+    for precision in SELECTED_PRECISIONS:
+        for prompt in IN_RAM_PROMPTS:
+            where = dict(model="olmoe-synth", precision=precision, scenario="in_ram", prompt_tokens=prompt)
+            c_all, l_all = runs_of(results, engine="colibri", **where), runs_of(results, engine="llama.cpp", **where)
+            if not c_all and not l_all:
+                continue
+            (c, c_busy), (ll, l_busy) = chosen(c_all), chosen(l_all)
+            row = {"precision": precision, "prompt": prompt, "contended": c_busy or l_busy,
+                   "colibri_prefill": med(c, "prefill_tps"), "colibri_decode": med(c, "decode_tps"),
+                   "llama_prefill": med(ll, "prefill_tps"), "llama_decode": med(ll, "decode_tps"),
+                   "colibri_runs": calm_note(c, len(c_all)), "llama_runs": calm_note(ll, len(l_all)),
+                   "split": {k: med(c, per_token(k)) for k in SPLIT_KEYS}}
+            row["prefill_ratio"] = ratio(row["colibri_prefill"], row["llama_prefill"])
+            row["decode_ratio"] = ratio(row["colibri_decode"], row["llama_decode"])
+            summary["in_ram"].append(row)
+    for cap_name in CAPS:
+        for temp in ("cold", "warm"):
+            where = dict(model="olmoe-synth", precision=first, scenario="capped", cap_name=cap_name, temp=temp)
+            c_all = runs_of(results, engine="colibri", variant="auto", **where)
+            if not c_all:
+                continue
+            c, c_busy = chosen(c_all)
+            peers = {}
+            for ra in sorted({r["readahead_kb"] for r in runs_of(results, engine="llama.cpp", **where)}):
+                l_all = runs_of(results, engine="llama.cpp", readahead_kb=ra, **where)
+                ll, l_busy = chosen(l_all)
+                peers[ra] = {"decode": med(ll, "decode_tps"), "prefill": med(ll, "prefill_tps"),
+                             "read": med(ll, lambda r: r.get("bytes_read_decode", 0) / DECODE_TOKENS),
+                             "runs": calm_note(ll, len(l_all)), "contended": l_busy}
+            best_ra = max(peers, key=lambda ra: peers[ra]["decode"] or 0) if peers else None
+            peer = peers.get(best_ra, {})
+            hit = med(c, hit_rate)
+            routed = c[0].get("routed_bytes_per_token", 0)
+            miss_bytes = (1 - (hit or 0)) * routed
+            bound = bw / miss_bytes if miss_bytes > 0 else None
+            row = {"cap_name": cap_name, "cap_bytes": c[0].get("cap_bytes"), "temp": temp,
+                   "contended": c_busy or peer.get("contended", False),
+                   "colibri_prefill": med(c, "prefill_tps"), "colibri_decode": med(c, "decode_tps"),
+                   "hit_rate": hit, "read": med(c, per_token("bytes_read")),
+                   "rss": max(r.get("peak_rss_bytes", 0) for r in c), "bound": bound,
+                   "split": {k: med(c, per_token(k)) for k in SPLIT_KEYS},
+                   "colibri_runs": calm_note(c, len(c_all)), "llama": peers, "llama_best_ra": best_ra,
+                   "llama_decode": peer.get("decode"), "llama_prefill": peer.get("prefill")}
+            row["decode_ratio"] = ratio(row["colibri_decode"], row["llama_decode"])
+            row["prefill_ratio"] = ratio(row["colibri_prefill"], row["llama_prefill"])
+            row["share_of_bound"] = ratio(row["colibri_decode"], bound)
+            summary["capped"].append(row)
+    for model in MODELS:
+        one: dict = {}
+        rows = []
+        for n in STREAMS:
+            row: dict = {"model": model, "streams": n}
+            for engine in ENGINES:
+                all_runs = [r for r in runs_of(results, model=model, engine=engine, precision=first,
+                                               scenario="concurrency", streams=n) if r.get("aggregate_tps")]
+                runs, busy = chosen(all_runs)
+                row[engine] = {"aggregate": med(runs, "aggregate_tps"), "hit_rate": med(runs, hit_rate),
+                               "read": med(runs, per_token("bytes_read")), "runs": calm_note(runs, len(all_runs)),
+                               "contended": busy}
+                if n == 1:
+                    one[engine] = row[engine]["aggregate"]
+            if any(row[e]["aggregate"] for e in ENGINES):
+                rows.append(row)
+        for row in rows:
+            for engine in ENGINES:
+                row[engine]["x_one"] = ratio(row[engine]["aggregate"], one.get(engine))
+        summary["concurrency"] += rows
+    summary["targets"] = targets(summary)
+    return summary
+
+
+def targets(summary: dict) -> list[tuple[str, str, bool | None]]:
+    """The issue's targets, each (what, the measured figures, met?)."""
+    out: list[tuple[str, str, bool | None]] = []
+    ram = summary["in_ram"]
+    ratios = [(f"{r['precision']} {r['prompt']}", r["prefill_ratio"], r["decode_ratio"]) for r in ram]
+    if ratios:
+        out.append(("in RAM, prefill and decode >= 1.0x llama.cpp (Q8_0, Q4_0)",
+                    "; ".join(f"{k}: prefill {fmt(p)}x, decode {fmt(d)}x" for k, p, d in ratios),
+                    all(p is not None and d is not None and p >= 1.0 and d >= 1.0 for _, p, d in ratios)))
+    capped = summary["capped"]
+    if capped:
+        out.append(("capped decode >= 3x llama.cpp's best readahead",
+                    "; ".join(f"{r['cap_name']} {r['temp']}: {fmt(r['decode_ratio'])}x" for r in capped),
+                    all(r["decode_ratio"] is not None and r["decode_ratio"] >= 3.0 for r in capped)))
+        out.append(("capped decode >= 80% of the disk bound (coli tune's bandwidth at the engine's queue depth)",
+                    "; ".join(f"{r['cap_name']} {r['temp']}: {pct(r['share_of_bound'])}" for r in capped),
+                    all(r["share_of_bound"] is not None and r["share_of_bound"] >= 0.8 for r in capped)))
+    fours = [(r["model"], r["colibri"].get("x_one")) for r in summary["concurrency"]
+             if r["streams"] == 4 and "colibri" in r]
+    if fours:
+        out.append(("aggregate decode at 4 streams >= 2x one stream under the cap",
+                    "; ".join(f"{m}: {fmt(x)}x" for m, x in fours), all(x is not None and x >= 2.0 for _, x in fours)))
+    return out
+
+
+def fmt(v, spec=".2f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def mb(v: float | None) -> str:
+    return "–" if v is None else f"{v / 1e6:.0f} MB"
+
+
+def pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
 
 
 def report(results: dict) -> None:
-    rows, chart = [], []
-    bw = results["disk_bandwidth"]
-    for precision in SELECTED_PRECISIONS:
-        for model in ("olmoe-synth", "olmoe-skew"):
-            for scenario in ("in_ram", "capped"):
-                for temp in ("cold", "warm"):
-                    key = dict(model=model, precision=precision, scenario=scenario, temp=temp)
-                    c = median_run(results["runs"], engine="colibri", variant="auto", **key)
-                    if not c:
-                        continue
-                    lru = median_run(results["runs"], engine="colibri", variant="lru", **key)
-                    ll = best(results["runs"], engine="llama.cpp", **key)
-                    bound = bound_of(c, bw)
-                    policies = {p: median_run(results["runs"], engine="colibri", variant=p, **key) for p in POLICIES}
-                    rows.append({**key, "colibri": c, "lru": lru, "llama": ll, "policies": policies,
-                                 "ratio": c["decode_tps"] / ll["decode_tps"] if ll else None,
-                                 "prefill_ratio": c["prefill_tps"] / ll["prefill_tps"] if ll else None,
-                                 "bound_tps": bound, "share_of_bound": c["decode_tps"] / bound if bound else None})
-                    chart.append((f"{model}\n{precision} {scenario}\n{temp}", c["decode_tps"],
-                                  ll["decode_tps"] if ll else 0))
-    results["summary"] = rows
+    summary = summarize(results)
+    results["summary"] = summary
     (RESULTS / "stream_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    chart = ([(f"{r['precision']} in RAM\n{r['prompt']}-token", r["colibri_decode"], r["llama_decode"])
+              for r in summary["in_ram"]] +
+             [(f"cap {r['cap_name']}\n{r['temp']}", r["colibri_decode"], r["llama_decode"])
+              for r in summary["capped"]])
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(chart)), 4.5))
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(chart)), 4.5))
         xs = np.arange(len(chart))
-        ax.bar(xs - 0.2, [c[1] for c in chart], 0.4, label="colibri (container)")
-        ax.bar(xs + 0.2, [c[2] for c in chart], 0.4, label="llama.cpp (GGUF, best readahead)")
+        ax.bar(xs - 0.2, [c[1] or 0 for c in chart], 0.4, label="colibri (container)")
+        ax.bar(xs + 0.2, [c[2] or 0 for c in chart], 0.4, label="llama.cpp (GGUF, best readahead)")
         ax.set_xticks(xs, [c[0] for c in chart], fontsize=7)
         ax.set_ylabel("decode tok/s (teacher-forced)")
         ax.legend()
@@ -919,98 +1160,107 @@ def report(results: dict) -> None:
         fig.savefig(ROOT / "docs" / "stream-bench.png", dpi=120)   # the chart docs/benchmarks.md shows
     except ImportError:
         log("matplotlib missing: no chart")
-    write_markdown(results, rows)
+    write_markdown(results, summary)
 
 
-def fmt(v, spec=".2f") -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def per_token_mb(run: dict | None) -> str:
-    if not run:
-        return "–"
-    d = decode_of(run)
-    return f"{d.get('bytes_read', 0) / max(1, d.get('steps', DECODE_TOKENS)) / 1e6:.0f} MB"
-
-
-def write_markdown(results: dict, rows: list[dict]) -> None:
-    m = results["machine"]
-    sizes = ", ".join(f"{k} {v['bytes'] / 1e9:.2f} GB (cap {v['cap_bytes'] / 2**30:.2f} GiB)"
-                      for k, v in results["models"].items())
-    lines = ["# Benchmarks", "",
-             "Generated by `nox -s bench` (`engines/bench/stream_bench.py`); raw figures in "
-             "`bench-results/stream_bench.json`. Synthetic random-weight checkpoints at the real OLMoE-1B-7B "
-             "geometry (16 layers, hidden 2048, 64 experts top-8, expert width 1024, vocab 50304); `olmoe-skew` "
-             "has Zipf-like expert popularity and its decode workload revisits recent tokens. Same bit width on "
-             "both sides: colibri's int8 container (experts and dense int8 per row, f16 scales) against llama.cpp's "
-             "Q8_0 GGUF made by the sdist's own `convert_hf_to_gguf.py`" +
-             (", and int4-g64 against Q4_0" if "int4" in SELECTED_PRECISIONS else "") +
-             f". Sizes: {sizes}. Workload: a {PROMPT_TOKENS}-token prompt, then {DECODE_TOKENS} teacher-forced "
-             "decode steps (greedy decoding of a random model loops and flatters any cache).", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores ({m['isa']}), {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel "
-             f"{m['kernel']}, load average {', '.join(f'{x:.1f}' for x in m['load_average'])} at the start. Disk "
-             f"`{results['disk']}`: {results['disk_bandwidth'] / 1e9:.2f} GB/s sequential O_DIRECT (best of queue "
-             "depth 1, "
-             f"{results.get('disk_bandwidth_qd1', results['disk_bandwidth']) / 1e9:.2f} GB/s, and 4 concurrent "
-             f"readers, {results.get('disk_bandwidth_4_readers', results['disk_bandwidth']) / 1e9:.2f} GB/s, read "
-             f"from `{results.get('disk_measured_on', 'the model')}`'s shards; the virtual disk may be cached by its "
-             "host). Capped: a cgroup "
-             "v1 memory limit of 1/3 of the container's size (page cache included); colibri plans for all of it "
-             "(its reserve is what the engine measurably allocates beyond tensors, KV and cache). "
-             "Cold: page cache dropped before the run; warm: run again (in RAM, after reading the files once and one "
-             "unrelated request). Engines alternate inside each scenario.", "",
-             "Decode columns are the decode phase alone (the engine's `done.decode`); the disk bound is bandwidth / "
-             "((1 - decode hit rate) x routed bytes per token). Under the cap each colibri figure is the run with "
-             f"the median decode speed of {ROUNDS} (policies interleaved round by round); llama.cpp's is its best "
-             "readahead.", "",
-             "| model | bits | scenario | colibri prefill tok/s | colibri decode tok/s | llama.cpp prefill | "
-             "llama.cpp decode | decode ratio | prefill ratio | hit rate | read/token | peak RSS | disk bound tok/s "
-             "| share of bound |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c, ll = r["colibri"], r["llama"] or {}
-        lines.append(f"| {r['model']} | {r['precision']} | {r['scenario']} {r['temp']} | "
-                     f"{fmt(c.get('prefill_tps'), '.1f')} | {fmt(c.get('decode_tps'))} | "
-                     f"{fmt(ll.get('prefill_tps'), '.1f')} | {fmt(ll.get('decode_tps'))} | {fmt(r['ratio'])} | "
-                     f"{fmt(r['prefill_ratio'])} | {100 * float(decode_of(c).get('hit_rate', 0)):.0f}% | "
-                     f"{per_token_mb(c)} | {c.get('peak_rss_bytes', 0) / 2**30:.2f} GiB | "
-                     f"{fmt(r['bound_tps'])} | {fmt(r['share_of_bound'])} |")
-    order = ["lru", "hotset", "prefetch", "auto", "lookahead"]
-    lines += ["", "Caching policy under the cap, each cell decode hit rate / decode tok/s: plain LRU, the learned hot "
-              "set alone (`--no-prefetch`), prefetching alone (`--no-pin`), both (what `coli run` does when the "
-              "model does not fit) and both plus router lookahead (`--lookahead`):", "",
-              "| model | bits | run | " + " | ".join(POLICY_LABELS[p] for p in order) +
-              " | lookahead recall | staged reads used/issued with lookahead |",
-              "|---|---|---|" + "---|" * (len(order) + 2)]
-    for r in rows:
-        if r["scenario"] != "capped" or not r["lru"]:
-            continue
-        cells = []
-        for p in order:
-            run = r["policies"].get(p)
-            cells.append(f"{100 * float(decode_of(run).get('hit_rate', 0)):.0f}% / {fmt(run.get('decode_tps'))}"
-                         if run else "–")
-        la = decode_of(r["policies"].get("lookahead") or {})
-        lines.append(f"| {r['model']} | {r['precision']} | {r['temp']} | " + " | ".join(cells) +
-                     f" | {fmt(la.get('lookahead_recall'))} | "
-                     f"{la.get('prefetch_used', '–')}/{la.get('prefetch_issued', '–')} |")
-    lines += ["", "Where colibri's decode time went (milliseconds per decode token, from `done.decode`):", "",
-              "| model | bits | scenario | I/O wait | expert matmul | attention | other |",
-              "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        d = decode_of(r["colibri"])
-        steps = max(1, d.get("steps", DECODE_TOKENS))
-
-        def ms(key: str, d=d, steps=steps) -> str:
-            return fmt(1000 * d[key] / steps, ".1f") if d.get(key) is not None else "–"
-        lines.append(f"| {r['model']} | {r['precision']} | {r['scenario']} {r['temp']} | {ms('io_wait_s')} | "
-                     f"{ms('expert_s')} | {ms('attention_s')} | {ms('other_s')} |")
-    lines += concurrency_lines(results)
-    lines += ["", "Targets: capped decode >= 2x llama.cpp and prefill >= 1x; in-RAM decode >= 0.8x; capped decode >= "
-              "70% of the disk bound; on olmoe-skew, the default (duel + prefetch) beats plain LRU; aggregate decode "
-              "at 4 streams >= 2x one stream under the cap.", "",
-              "![decode tok/s, colibri vs llama.cpp](stream-bench.png)", ""]
-    write_section(ROOT / "docs" / "benchmarks.md", "stream-bench", "\n".join(lines[2:]))
+def write_markdown(results: dict, summary: dict) -> None:
+    m, t = results["machine"], results["tune"]
+    first = SELECTED_PRECISIONS[0]
+    sizes = ", ".join(f"{k} {v['bytes'] / 1e9:.2f} GB" for k, v in results["models"].items())
+    caps = results["models"].get(f"olmoe-synth/{first}", {}).get("caps", {})
+    depth = next((p for p in t["reads"] if p["depth"] == t["io_threads"] and p["direct"] == (t["io"] == "direct")),
+                 None)
+    lines = [
+        f"Generated by `nox -s bench` (`engines/bench/stream_bench.py`), {results.get('started', '')} to "
+        f"{results.get('finished', '')}; raw figures, every run with its load, in `bench-results/stream_bench.json`. "
+        "A synthetic random-weight checkpoint at the real OLMoE-1B-7B geometry (16 layers, hidden 2048, 64 experts "
+        "top-8, expert width 1024, vocab 50304). Same bit width on both sides: colibri's int8 container (experts "
+        "and dense int8 per row, f16 scales) against llama.cpp's Q8_0, and int4-g64 against Q4_0, each GGUF made by "
+        "the llama-cpp-python 0.3.36 sdist's own converter and quantizer. Sizes: " + sizes + ". Workload: a "
+        f"{PROMPT_TOKENS}-token prompt (in RAM also {', '.join(str(p) for p in IN_RAM_PROMPTS if p != PROMPT_TOKENS)})"
+        f", then {DECODE_TOKENS} teacher-forced decode steps (greedy decoding of a random model loops and flatters "
+        "any cache). Both engines 2 threads; llama.cpp gets the whole prompt in one batch.", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores ({m['isa']}), {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel "
+        f"{m['kernel']}. Disk `{results['disk']}`: `coli tune --model` on the int8 container measured "
+        f"{t['disk_bandwidth'] / 1e9:.2f} GB/s at {t['io_threads']} I/O threads ({t['io']}), the depth it chose "
+        f"for the engine" + (f" ({depth['bytes_per_s'] / 1e9:.2f} GB/s)" if depth else "") + "; sequential "
+        f"O_DIRECT reads gave {results['disk_bandwidth_qd1'] / 1e9:.2f} GB/s (one reader) and "
+        f"{results['disk_bandwidth_4_readers'] / 1e9:.2f} GB/s (four). Every colibri run uses that profile, as "
+        "`coli run` does. The disk bound is tune's bandwidth / ((1 - decode hit rate) x routed bytes per token).",
+        "",
+        f"Method: {results['rounds']} rounds per scenario, the engines alternating (each round starts with the "
+        "other). Every run records the 1-minute load average and the share of the machine's CPU other processes "
+        f"took while it ran (the bench's own processes are in a cpuacct group); a run with others above "
+        f"{100 * results['quiet_other_cpu']:.0f}% is contended and left out of the medians (the `runs` columns say "
+        "how many were kept, of how many). Caps are cgroup v1 memory limits, page cache included "
+        f"({', '.join(f'{k} = {v / 2**30:.2f} GiB' for k, v in caps.items())}); colibri plans for the whole cap. "
+        "Cold: page cache dropped before the run; warm: each engine's run again at once (under a cap the group's "
+        "page cache is charged to it). In RAM: files read first, and colibri answers one unrelated request first "
+        "(its cache fills lazily; llama.cpp's mmap is populated at load).", "",
+        "### In RAM, warm", "",
+        "| bits | prompt | colibri prefill tok/s | colibri decode tok/s | llama.cpp prefill | llama.cpp decode | "
+        "prefill ratio | decode ratio | colibri runs | llama.cpp runs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["in_ram"]:
+        lines.append(f"| {r['precision']} | {r['prompt']} | {fmt(r['colibri_prefill'], '.1f')} | "
+                     f"{fmt(r['colibri_decode'])} | {fmt(r['llama_prefill'], '.1f')} | {fmt(r['llama_decode'])} | "
+                     f"{fmt(r['prefill_ratio'])} | {fmt(r['decode_ratio'])} | {r['colibri_runs']} | "
+                     f"{r['llama_runs']} |")
+    lines += ["", f"### Under a RAM cap ({first})", "",
+              "llama.cpp's figure is its better readahead (the KiB column); its other readahead is in the JSON.", "",
+              "| cap | run | colibri prefill | colibri decode | hit rate | read/token | peak RSS | llama.cpp prefill "
+              "| llama.cpp decode (readahead KiB) | llama.cpp read/token | decode ratio | prefill ratio | disk bound "
+              "tok/s | share of bound | colibri runs | llama.cpp runs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["capped"]:
+        peer = r["llama"].get(r["llama_best_ra"], {})
+        lines.append(f"| {r['cap_name']} ({r['cap_bytes'] / 2**30:.2f} GiB) | {r['temp']} | "
+                     f"{fmt(r['colibri_prefill'], '.1f')} | {fmt(r['colibri_decode'])} | {pct(r['hit_rate'])} | "
+                     f"{mb(r['read'])} | {r['rss'] / 2**30:.2f} GiB | {fmt(r['llama_prefill'], '.1f')} | "
+                     f"{fmt(r['llama_decode'])} ({r['llama_best_ra']}) | {mb(peer.get('read'))} | "
+                     f"{fmt(r['decode_ratio'])} | {fmt(r['prefill_ratio'])} | {fmt(r['bound'])} | "
+                     f"{pct(r['share_of_bound'])} | {r['colibri_runs']} | {peer.get('runs', '–')} |")
+    lines += ["", "Where colibri's decode time went (milliseconds per decode token, `done.decode`):", "",
+              "| scenario | run | I/O wait | expert matmul | attention | other |", "|---|---|---|---|---|---|"]
+    for label, r in ([(f"in RAM {r['precision']}", r) for r in summary["in_ram"]] +
+                     [(f"cap {r['cap_name']}", r) for r in summary["capped"]]):
+        s = r["split"]
+        run = f"warm, {r['prompt']}-token prompt" if "prompt" in r else r["temp"]
+        lines.append(f"| {label} | {run} | " +
+                     " | ".join(fmt(1000 * s[k] if s[k] is not None else None, ".1f") for k in SPLIT_KEYS) + " |")
+    if summary["concurrency"]:
+        lines += ["", f"### Concurrency under the tight cap ({first}, a third of the container)", "",
+                  f"One engine of {max(STREAMS)} slots for every stream count; the streams start together, each a "
+                  f"different {PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} teacher-forced steps. Aggregate "
+                  "decode tok/s: colibri, tokens after the last stream's first one over the wall time from then to "
+                  "the last token; llama.cpp (parallel sequences through llama-cpp-python's batch API, one "
+                  "`llama_decode` of one token per sequence, as llama-server's slots do), every sequence's steps "
+                  "over the batched decode loop's time. llama.cpp runs on the plain model only.", "",
+                  "| model | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | colibri runs | "
+                  "llama.cpp aggregate tok/s | x one stream | llama.cpp runs | colibri / llama.cpp |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in summary["concurrency"]:
+            c, ll = r.get("colibri", {}), r.get("llama.cpp", {})
+            lines.append(f"| {r['model']} | {r['streams']} | {fmt(c.get('aggregate'))} | {fmt(c.get('x_one'))} | "
+                         f"{pct(c.get('hit_rate'))} | {mb(c.get('read'))} | {c.get('runs', '–')} | "
+                         f"{fmt(ll.get('aggregate'))} | {fmt(ll.get('x_one'))} | {ll.get('runs', '–')} | "
+                         f"{fmt(ratio(c.get('aggregate'), ll.get('aggregate')))} |")
+    lines += ["", "### Targets (issue 24)", "", "| target | measured | met |", "|---|---|---|"]
+    for what, figures, met in summary["targets"]:
+        lines.append(f"| {what} | {figures} | {'yes' if met else 'no'} |")
+    lines += ["", "![decode tok/s, colibri vs llama.cpp](stream-bench.png)", "",
+              "<details><summary>Every run, in the order made</summary>", "",
+              "| scenario | bits | prompt | cap | run | engine | variant | readahead | round | prefill tok/s | "
+              "decode tok/s | load avg | others' CPU | kept |", "|" + "---|" * 14]
+    for r in results["runs"]:
+        speed = (fmt(r.get("decode_tps") or r.get("aggregate_tps")) if "error" not in r
+                 else f"error: {r['error'][:60]}")
+        lines.append(f"| {r.get('scenario')} | {r.get('precision')} | {r.get('prompt_tokens', '–')} | "
+                     f"{r.get('cap_name', '–')} | {r.get('temp', '–')} | {r.get('engine')} | {r.get('variant')} | "
+                     f"{r.get('readahead_kb', '–')} | {r.get('round', '–')} | {fmt(r.get('prefill_tps'), '.1f')} | "
+                     f"{speed} | {fmt(r.get('load_average'), '.1f')} | {pct(r.get('other_cpu_share'))} | "
+                     f"{'yes' if r.get('quiet') else 'no'} |")
+    lines += ["", "</details>", ""]
+    write_section(ROOT / "docs" / "benchmarks.md", "stream-bench", "\n".join(lines))
 
 
 def write_section(path: Path, name: str, body: str,
@@ -1029,10 +1279,8 @@ def write_section(path: Path, name: str, body: str,
 
 
 def report_again() -> int:
-    """``--report``: re-measure the disk and rewrite the report from the saved runs (no engine is run)."""
-    results = json.loads((RESULTS / "stream_bench.json").read_text())
-    results.update(measure_disk(CACHE / f"olmoe-synth-{SELECTED_PRECISIONS[0]}"))
-    report(results)
+    """``--report``: rewrite the report from the saved runs (no engine is run)."""
+    report(json.loads((RESULTS / "stream_bench.json").read_text()))
     return 0
 
 
