@@ -22,7 +22,8 @@ cached under ``$COLIBRI_BENCH_CACHE/dsv3-trunc`` (default ``~/.cache/colibri/ben
    values share one FP8 block scale, so the 4-bit levels depend on the codes alone; ggml's reference rounding).
    Routers and biases stay F32, as llama.cpp's quantizer leaves them; the LM head is Q4_0 too.
 4. Runs under one cgroup v1 memory cap that holds colibri's dense weights plus a fraction of the experts
-   (``--expert-share``): colibri (its plan at 90% of the cap, as ``nox -s bench``) and llama.cpp at readahead
+   (``--expert-share``): colibri (planning for the whole cap with `coli tune`'s profile of its container, as
+   ``nox -s bench``; the disk bound is that profile's bandwidth at the engine's queue depth) and llama.cpp at readahead
    128 KiB and at the disk's own, engines alternated round by round, each run cold (page cache dropped), each
    with its load average and the other processes' CPU share. A 64-token prompt, then 32 teacher-forced decode
    steps.
@@ -690,13 +691,13 @@ def workload(vocab: int, seed: int = 1234) -> tuple[list[int], list[int]]:
     return draw[:PROMPT_TOKENS], draw[PROMPT_TOKENS:]
 
 
-def run_colibri(container: Path, cfg: dict, ram: int, group) -> dict:
+def run_colibri(container: Path, cfg: dict, ram: int, group, tune: object = None) -> dict:
     from colibri import launch
     from colibri.engine import Engine
     from colibri.model import resolve_model
 
     spec = launch.prepare(resolve_model(str(container), None), ram_gib=ram / launch.GIB, ctx=256, threads=2,
-                          streaming=launch.Streaming())
+                          streaming=launch.Streaming(), tune=tune)
     prompt, forced = workload(cfg["vocab_size"])
     t = time.perf_counter()
     with Engine(group.wrap(list(spec.argv)), env=spec.env, ready_timeout=3600) as eng:
@@ -873,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
     e_bytes, dense_bytes = sizes["experts"], sizes["other"]
     reserve = 512 << 20     # the engine's own memory beyond weights
     cap = int(dense_bytes + reserve + args.expert_share * e_bytes)
-    colibri_ram = int(cap * 0.9)
+    colibri_ram = cap      # the planner's reserve is what the engine allocates beyond tensors, KV and cache
     if args.quick:
         # the quick model is smaller than a Python process running llama.cpp: the group gets room for that, and
         # colibri's own budget (its planner's reserve is ~66 MiB) is what makes it stream
@@ -885,8 +886,12 @@ def main(argv: list[str] | None = None) -> int:
     # --quick is a smoke test that may run beside another benchmark: it leaves the machine-wide state (page
     # cache, the disk's readahead) alone, so its runs are warm and llama.cpp runs at the disk's readahead only
     touch_machine = not args.quick
+    profile = None
     if touch_machine:
         bandwidth = measure_disk(files)
+        if "colibri" in args.engines:   # every colibri run uses the profile, as `coli run` would
+            profile, tuned = sb.run_tune(container)
+            bandwidth.update({"disk_bandwidth": tuned["disk_bandwidth"], "tune": tuned})
     else:
         bw = sb.disk_bandwidth(max(files, key=lambda f: f.stat().st_size))
         bandwidth = {"disk_bandwidth": bw, "disk_bandwidth_qd1": bw, "disk_measured_on": ["its largest file"]}
@@ -913,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
                     sb.drop_caches()
                 log(f"round {r + 1}/{args.rounds}: {engine} readahead {ra} KiB, cap {cap / 2**30:.2f} GiB")
                 try:
-                    stats = (run_colibri(container, cfg, colibri_ram, group) if engine == "colibri"
+                    stats = (run_colibri(container, cfg, colibri_ram, group, profile) if engine == "colibri"
                              else run_llama(gguf_path, cfg, group, prep["runner_env"]))
                 except Exception as exc:   # one failed run must not lose the others
                     stats = {"error": f"{type(exc).__name__}: {exc}"}
@@ -1024,11 +1029,15 @@ def report(results: dict) -> None:
              f"colibri's container {results['container_bytes'] / 1e9:.2f} GB (experts "
              f"{results['container_expert_bytes'] / 1e9:.2f} GB), GGUF {results['gguf_bytes'] / 1e9:.2f} GB.", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM. Disk "
-             f"`{results['disk']}` {results['disk_bandwidth'] / 1e9:.2f} GB/s (sequential O_DIRECT, best of queue "
-             "depth 1 and 4 readers, on the benchmark's own files "
-             f"{', '.join(dict.fromkeys(results['disk_measured_on']))}, same run). Cap: a cgroup v1 memory limit of "
+             f"`{results['disk']}` {results['disk_bandwidth'] / 1e9:.2f} GB/s (" +
+             (f"`coli tune --model` on the container, at the {results['tune']['io_threads']} I/O threads "
+              f"({results['tune']['io']}) it chose for the engine; sequential O_DIRECT gave "
+              f"{results['disk_bandwidth_qd1'] / 1e9:.2f} GB/s at queue depth 1" if results.get("tune") else
+              "sequential O_DIRECT, best of queue depth 1 and 4 readers") +
+             f", on the benchmark's own files {', '.join(dict.fromkeys(results['disk_measured_on']))}, same run). "
+             "Cap: a cgroup v1 memory limit of "
              f"{results['cap_bytes'] / 2**30:.2f} GiB = colibri's dense weights + 0.5 GiB + "
-             f"{100 * results['expert_share']:.0f}% of its routed experts (colibri plans for 90% of it; llama.cpp's "
+             f"{100 * results['expert_share']:.0f}% of its routed experts (colibri plans for all of it; llama.cpp's "
              "smaller Q4_0 dense part leaves its page cache more room). Every run cold (page cache dropped); "
              f"{PROMPT_TOKENS}-token prompt, {DECODE_TOKENS} teacher-forced decode steps; medians over "
              f"{max(r['round'] for r in results['runs']) + 1} alternated rounds; llama.cpp at its better readahead.",
