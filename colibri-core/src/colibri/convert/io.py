@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Iterator
 
 import numpy as np
@@ -104,8 +104,9 @@ def _quantized(item: Item, fd: int, chunk_bytes: int) -> Iterator[tuple[bytes, i
     source_row_bytes = t.shape[1] // 2 if item.packed_int4 else row_bytes(t)
     step = max(1, min(chunk_bytes // max(1, row_bytes(t)), QUANT_CHUNK_VALUES // max(1, t.shape[1])))
     ranges = ((r0, min(t.shape[0], r0 + step)) for r0 in range(0, t.shape[0], step))
-    pool, pending = _workers(), deque()
-    scales = []
+    pool = _workers()
+    pending: deque[tuple[tuple[int, int], Future[tuple[bytes, bytes]]]] = deque()
+    scales: list[bytes] = []
     try:
         while True:
             while len(pending) < 2 * QUANT_WORKERS:
@@ -120,8 +121,11 @@ def _quantized(item: Item, fd: int, chunk_bytes: int) -> Iterator[tuple[bytes, i
             scales.append(s)
             yield q, (r1 - r0) * source_row_bytes
     finally:
-        for _, future in pending:      # the consumer stopped early (an error): drop the work ahead
+        # The consumer stopped early (an error): drop the work ahead, and let the chunks already running finish
+        # before the caller closes the descriptor they read from.
+        for _, future in pending:
             future.cancel()
+        wait([future for _, future in pending])
     yield b"".join(scales), 0
 
 
