@@ -93,7 +93,7 @@ def big_src(tmp_path_factory) -> Path:
                                                  "intermediate_size": INTER, "vocab_size": VOCAB}))
     from test_convert import write_word_tokenizer
 
-    write_word_tokenizer(src / "tokenizer.json", VOCAB)   # convert refuses a source `coli doctor --deep` fails: no tokenizer
+    write_word_tokenizer(src / "tokenizer.json", VOCAB)   # convert refuses a source `coli doctor --deep` fails
     assert total >= 2 * 10**9
     return src
 
