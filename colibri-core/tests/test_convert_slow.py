@@ -89,7 +89,11 @@ def big_src(tmp_path_factory) -> Path:
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps({"model_type": "colibri_tiny_moe", "num_hidden_layers": LAYERS,
-                                                 "num_experts": EXPERTS, "hidden_size": HIDDEN}))
+                                                 "num_experts": EXPERTS, "hidden_size": HIDDEN,
+                                                 "intermediate_size": INTER, "vocab_size": VOCAB}))
+    from test_convert import write_word_tokenizer
+
+    write_word_tokenizer(src / "tokenizer.json", VOCAB)   # convert refuses a source `coli doctor --deep` fails
     assert total >= 2 * 10**9
     return src
 

@@ -29,6 +29,16 @@ def _e4m3_table() -> np.ndarray:
 
 
 E4M3 = _e4m3_table()
+# The values of every pair of adjacent codes, indexed by the pair read as a little-endian uint16 (512 KiB, fits
+# in L2): one lookup yields two f32 values, twice as fast as a lookup per code.
+_PAIRS = np.stack([np.tile(E4M3, 256), np.repeat(E4M3, 256)], axis=1).view(np.uint64).reshape(-1)
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """float32 values of e4m3 codes [rows, cols] (uint8), exactly ``E4M3[codes]``."""
+    if codes.shape[-1] % 2 or not codes.flags.c_contiguous:
+        return E4M3.take(codes)
+    return _PAIRS.take(codes.view("<u2")).view(np.float32)
 
 
 def scale_for(index: TensorIndex, name: str) -> TensorInfo | None:
@@ -66,9 +76,22 @@ def read_rows(fd: int, t: TensorInfo, scale: TensorInfo, r0: int, r1: int) -> np
 
     cols = t.shape[1]
     raw = pread_exact(fd, (r1 - r0) * cols, t.begin + r0 * cols, t.file)
-    levels = E4M3[np.frombuffer(raw, dtype=np.uint8)].reshape(r1 - r0, cols)
     b0, b1 = r0 // fp8.BLOCK, (r1 - 1) // fp8.BLOCK + 1
     sraw = pread_rows_of(fd, t, scale, b0, b1)
     blocks = _scales_f32(sraw, scale.dtype, (b1 - b0, scale.shape[1]))
-    full = np.repeat(np.repeat(blocks, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)
-    return levels * full[r0 - b0 * fp8.BLOCK:r1 - b0 * fp8.BLOCK, :cols]   # f32 x f32: one rounding each
+    return dequantize(np.frombuffer(raw, dtype=np.uint8).reshape(r1 - r0, cols), blocks, r0 - b0 * fp8.BLOCK)
+
+
+def dequantize(codes: np.ndarray, blocks: np.ndarray, first: int = 0) -> np.ndarray:
+    """``e4m3 * scale`` of each element's 128x128 block, f32: codes [rows, cols] whose first row is row ``first``
+    of the first block row of ``blocks`` [block rows, ceil(cols / 128)].
+
+    Each product is the same single f32 multiplication of the same two f32 operands as expanding the scales to
+    a full matrix gives, so the bits are identical; only one row of scales per block row is expanded."""
+    rows, cols = codes.shape
+    out = e4m3_values(codes)                     # table lookup: exact, every e4m3 value is an f32
+    for br in range(blocks.shape[0]):
+        a, b = max(0, br * fp8.BLOCK - first), min(rows, (br + 1) * fp8.BLOCK - first)
+        if a < b:
+            out[a:b] *= np.repeat(blocks[br], fp8.BLOCK)[:cols]
+    return out
