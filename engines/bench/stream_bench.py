@@ -54,8 +54,10 @@ SKEW_SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SKEW_SCENARIOS", "concurren
 # Both bit widths in RAM: int8 per row vs Q8_0 and int4-g64 vs Q4_0. The capped and concurrency scenarios run on the
 # first (int8's 6.9 GB container is the model that "barely does not fit" a 6 GiB cap; int4's would fit).
 SELECTED_PRECISIONS = tuple(os.environ.get("COLIBRI_BENCH_PRECISIONS", "int8,int4").split(","))
-# COLIBRI_BENCH_SCENARIOS=capped re-measures one scenario; COLIBRI_BENCH_MERGE=1 then replaces only the runs it
-# made in bench-results/stream_bench.json and keeps the others (a partial re-run after a fix).
+# COLIBRI_BENCH_SCENARIOS=capped re-measures one scenario; COLIBRI_BENCH_MERGE=1 then replaces only the kind of
+# runs it made (same scenario, cap, prompt, engine and variant) in bench-results/stream_bench.json and keeps the
+# others and the session's header (machine, `coli tune` profile, reused rather than re-measured): a partial re-run
+# after a fix, or another policy under some caps (COLIBRI_BENCH_POLICIES=lookahead COLIBRI_BENCH_CAPS=5GiB).
 SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "capped,concurrency,in_ram").split(","))
 # In RAM, prefill is measured at a short and a long prompt (llama.cpp batches a whole prompt at once; colibri
 # chunks it), decode after each.
@@ -827,7 +829,8 @@ def run_capped(S: Session, model: Path, precision: str, container: Path, localit
 
 def run_concurrency(S: Session, model: Path, precision: str, container: Path, locality: bool) -> None:
     """Scenario (c): ROUNDS rounds, each every stream count on each engine in turn (the engines alternate, and each
-    round starts one stream count later), all under the tight cap, the page cache warm from earlier runs."""
+    round starts one stream count later), all under the tight cap, each run from a dropped page cache (colibri's
+    engine answers one unmeasured request first; llama.cpp's load populates its mmap under the cap)."""
     cap = cap_bytes_of("third", container_bytes(container))
     group = CappedGroup(cap, "streams")
     try:
@@ -842,6 +845,10 @@ def run_concurrency(S: Session, model: Path, precision: str, container: Path, lo
                     # its experts with O_DIRECT when tuned so, and at the disk's setting otherwise, as capped.
                     ra = min(llama_readaheads(S, cap)) if engine == "llama.cpp" else S.original_ra
                     set_readahead(S.disk, ra)
+                    # Cold, as each capped scenario starts: a page cached by an earlier run stays charged to that
+                    # run's group (reparented when it is removed), so llama.cpp's mmap would read it here for free,
+                    # outside this cap (measured: in-RAM speed under a third); colibri's O_DIRECT reads never are.
+                    drop_caches()
                     log(f"{model.name}/{precision} concurrency {n} streams {engine} readahead {ra} KiB "
                         f"(round {r + 1})")
                     (container / ".colibri-hotset").unlink(missing_ok=True)   # no run teaches the next
@@ -929,13 +936,21 @@ def main() -> int:
     disk = root_disk()
     first = ensure_container(base, SELECTED_PRECISIONS[0])
     original_ra = int(readahead_file(disk).read_text()) if readahead_file(disk).is_file() else 0
-    profile, tuned = run_tune(first)
+    earlier = None
     if MERGE and (RESULTS / "stream_bench.json").is_file():   # the runs this partial re-run does not repeat
-        (RESULTS / "stream_bench.json.prev").write_text((RESULTS / "stream_bench.json").read_text())
-    results: dict = {"machine": machine(), "disk": disk, **measure_disk(first), "tune": tuned,
-                     "disk_bandwidth": tuned["disk_bandwidth"], "prompt_tokens": PROMPT_TOKENS,
-                     "decode_tokens": DECODE_TOKENS, "rounds": ROUNDS, "quiet_other_cpu": QUIET_OTHER_CPU,
-                     "models": {}, "runs": [], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        earlier = json.loads((RESULTS / "stream_bench.json").read_text())
+        (RESULTS / "stream_bench.json.prev").write_text(json.dumps(earlier))
+    if earlier is not None and earlier.get("tune"):
+        from colibri import tune
+
+        profile = tune.load_profile(first)
+        results: dict = {**earlier, "runs": []}
+    else:
+        profile, tuned = run_tune(first)
+        results = {"machine": machine(), "disk": disk, **measure_disk(first), "tune": tuned,
+                   "disk_bandwidth": tuned["disk_bandwidth"], "prompt_tokens": PROMPT_TOKENS,
+                   "decode_tokens": DECODE_TOKENS, "rounds": ROUNDS, "quiet_other_cpu": QUIET_OTHER_CPU,
+                   "models": {}, "runs": [], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     S = Session(results, disk, original_ra, profile)
     # Scenario by scenario, in SCENARIOS' order (the CPU-bound in-RAM runs last by default, when a machine that
     # was busy at the start has most likely calmed down); caps and streams on the first bit width only.
@@ -958,14 +973,19 @@ def main() -> int:
                     run_concurrency(S, model, precision, container, locality)
     set_readahead(disk, original_ra)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if MERGE and (RESULTS / "stream_bench.json.prev").is_file():
-        earlier = json.loads((RESULTS / "stream_bench.json.prev").read_text())
-        made = {(r["model"], r.get("precision"), r["scenario"]) for r in results["runs"]}
-        results["runs"] = [r for r in earlier["runs"] if (r["model"], r.get("precision"), r["scenario"]) not in made] \
-            + results["runs"]
+    if earlier is not None:
+        made = {run_kind(r) for r in results["runs"]}
+        results["runs"] = [r for r in earlier["runs"] if run_kind(r) not in made] + results["runs"]
         results["models"] = {**earlier.get("models", {}), **results["models"]}
+        results["merged"] = [*earlier.get("merged", []), results["finished"]]
     report(results)
     return 0
+
+
+def run_kind(run: dict) -> tuple:
+    """What a partial re-run replaces: every run of the same scenario, cap, prompt, engine and variant."""
+    return tuple(run.get(k) for k in ("model", "precision", "scenario", "cap_name", "prompt_tokens", "engine",
+                                      "variant", "streams"))
 
 
 # ---- 5. the report ----------------------------------------------------------------------------------------------
@@ -1054,6 +1074,7 @@ def summarize(results: dict) -> dict:
                 ll, l_busy = chosen(l_all)
                 peers[ra] = {"decode": med(ll, "decode_tps"), "prefill": med(ll, "prefill_tps"),
                              "read": med(ll, lambda r: r.get("bytes_read_decode", 0) / DECODE_TOKENS),
+                             "load_s": med(ll, "load_s"),
                              "runs": calm_note(ll, len(l_all)), "contended": l_busy}
             best_ra = max(peers, key=lambda ra: peers[ra]["decode"] or 0) if peers else None
             peer = peers.get(best_ra, {})
@@ -1065,13 +1086,22 @@ def summarize(results: dict) -> dict:
                    "contended": c_busy or peer.get("contended", False),
                    "colibri_prefill": med(c, "prefill_tps"), "colibri_decode": med(c, "decode_tps"),
                    "hit_rate": hit, "read": med(c, per_token("bytes_read")),
-                   "rss": max(r.get("peak_rss_bytes", 0) for r in c), "bound": bound,
+                   "rss": max(r.get("peak_rss_bytes", 0) for r in c), "bound": bound, "load_s": med(c, "load_s"),
                    "split": {k: med(c, per_token(k)) for k in SPLIT_KEYS},
                    "colibri_runs": calm_note(c, len(c_all)), "llama": peers, "llama_best_ra": best_ra,
                    "llama_decode": peer.get("decode"), "llama_prefill": peer.get("prefill")}
             row["decode_ratio"] = ratio(row["colibri_decode"], row["llama_decode"])
             row["prefill_ratio"] = ratio(row["colibri_prefill"], row["llama_prefill"])
             row["share_of_bound"] = ratio(row["colibri_decode"], bound)
+            row["policies"] = {}
+            for variant in sorted({r["variant"] for r in runs_of(results, engine="colibri", **where)} - {"auto"}):
+                v_all = runs_of(results, engine="colibri", variant=variant, **where)
+                v, v_busy = chosen(v_all)
+                row["policies"][variant] = {"decode": med(v, "decode_tps"), "hit_rate": med(v, hit_rate),
+                                            "io_wait": med(v, per_token("io_wait_s")),
+                                            "runs": calm_note(v, len(v_all)), "contended": v_busy,
+                                            "prefetch_used": med(v, lambda r: decode_of(r).get("prefetch_used")),
+                                            "prefetch_issued": med(v, lambda r: decode_of(r).get("prefetch_issued"))}
             summary["capped"].append(row)
     for model in MODELS:
         one: dict = {}
@@ -1172,7 +1202,9 @@ def write_markdown(results: dict, summary: dict) -> None:
                  None)
     lines = [
         f"Generated by `nox -s bench` (`engines/bench/stream_bench.py`), {results.get('started', '')} to "
-        f"{results.get('finished', '')}; raw figures, every run with its load, in `bench-results/stream_bench.json`. "
+        f"{results.get('finished', '')}" +
+        (f" (including partial re-runs merged at {', '.join(results['merged'])})" if results.get("merged") else "") +
+        "; raw figures, every run with its load, in `bench-results/stream_bench.json`. "
         "A synthetic random-weight checkpoint at the real OLMoE-1B-7B geometry (16 layers, hidden 2048, 64 experts "
         "top-8, expert width 1024, vocab 50304). Same bit width on both sides: colibri's int8 container (experts "
         "and dense int8 per row, f16 scales) against llama.cpp's Q8_0, and int4-g64 against Q4_0, each GGUF made by "
@@ -1207,18 +1239,35 @@ def write_markdown(results: dict, summary: dict) -> None:
                      f"{r['llama_runs']} |")
     lines += ["", f"### Under a RAM cap ({first})", "",
               "llama.cpp's figure is its better readahead (the KiB column); its other readahead is in the JSON.", "",
-              "| cap | run | colibri prefill | colibri decode | hit rate | read/token | peak RSS | llama.cpp prefill "
-              "| llama.cpp decode (readahead KiB) | llama.cpp read/token | decode ratio | prefill ratio | disk bound "
-              "tok/s | share of bound | colibri runs | llama.cpp runs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| cap | run | colibri prefill | colibri decode | hit rate | read/token | peak RSS | load s | llama.cpp "
+              "prefill | llama.cpp decode (readahead KiB) | llama.cpp read/token | llama.cpp load s | decode ratio | "
+              "prefill ratio | disk bound tok/s | share of bound | colibri runs | llama.cpp runs |",
+              "|" + "---|" * 18]
     for r in summary["capped"]:
         peer = r["llama"].get(r["llama_best_ra"], {})
         lines.append(f"| {r['cap_name']} ({r['cap_bytes'] / 2**30:.2f} GiB) | {r['temp']} | "
                      f"{fmt(r['colibri_prefill'], '.1f')} | {fmt(r['colibri_decode'])} | {pct(r['hit_rate'])} | "
-                     f"{mb(r['read'])} | {r['rss'] / 2**30:.2f} GiB | {fmt(r['llama_prefill'], '.1f')} | "
-                     f"{fmt(r['llama_decode'])} ({r['llama_best_ra']}) | {mb(peer.get('read'))} | "
+                     f"{mb(r['read'])} | {r['rss'] / 2**30:.2f} GiB | {fmt(r['load_s'], '.1f')} | "
+                     f"{fmt(r['llama_prefill'], '.1f')} | {fmt(r['llama_decode'])} ({r['llama_best_ra']}) | "
+                     f"{mb(peer.get('read'))} | {fmt(peer.get('load_s'), '.1f')} | "
                      f"{fmt(r['decode_ratio'])} | {fmt(r['prefill_ratio'])} | {fmt(r['bound'])} | "
                      f"{pct(r['share_of_bound'])} | {r['colibri_runs']} | {peer.get('runs', '–')} |")
+    variants = sorted({v for r in summary["capped"] for v in r["policies"]})
+    if variants:
+        lines += ["", "Other caching policies under the same caps (colibri alone, same rounds; each cell decode tok/s, "
+                  "hit rate, I/O wait ms per token; the default's figures for comparison):", "",
+                  "| cap | run | default (" + POLICY_LABELS["auto"] + ") | " +
+                  " | ".join(POLICY_LABELS.get(v, v) for v in variants) + " |",
+                  "|---|---|---|" + "---|" * len(variants)]
+        for r in summary["capped"]:
+            cells = [f"{fmt(r['colibri_decode'])}, {pct(r['hit_rate'])}, "
+                     f"{fmt(1000 * r['split']['io_wait_s'] if r['split']['io_wait_s'] is not None else None, '.0f')}"]
+            for v in variants:
+                p = r["policies"].get(v)
+                cells.append(f"{fmt(p['decode'])}, {pct(p['hit_rate'])}, "
+                             f"{fmt(1000 * p['io_wait'] if p['io_wait'] is not None else None, '.0f')} "
+                             f"({p['runs'].split(',')[0]} runs)" if p else "–")
+            lines.append(f"| {r['cap_name']} | {r['temp']} | " + " | ".join(cells) + " |")
     lines += ["", "Where colibri's decode time went (milliseconds per decode token, `done.decode`):", "",
               "| scenario | run | I/O wait | expert matmul | attention | other |", "|---|---|---|---|---|---|"]
     for label, r in ([(f"in RAM {r['precision']}", r) for r in summary["in_ram"]] +
