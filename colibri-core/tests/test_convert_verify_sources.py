@@ -167,5 +167,20 @@ def test_verify_fails_when_a_packed_weight_shape_disagrees(sources, containers, 
     src, out = _copies(sources, containers, "int4", tmp_path)
     name = "model.layers.1.mlp.experts.0.down_proj.weight_shape"
     _flip(src / "model.safetensors", name, 0, 0x01)
-    with pytest.raises(ContainerError, match=rf"source tensor {name} says \[65, 128\], the container holds \[64, 128\]"):
+    with pytest.raises(ContainerError, match=rf"source tensor {name} says \[65, 128\], the container holds "
+                                             r"\[64, 128\]"):
         _verify(src, out)
+
+
+def test_verify_refuses_a_quantized_tensor_whose_planned_source_is_not_float(sources, containers):
+    """A plan that reads an FP8 expert without its scales (as a copy) must fail in one line, not in the decoder."""
+    from colibri.convert.verify import source_plan
+
+    src = sources["fp8"]
+    index = TensorIndex((default_shard_set(src),))
+    plan = source_plan(index, resolve(src))
+    name = "model.layers.0.mlp.experts.4.down_proj.weight"
+    for shard in plan.shards:
+        shard.items = [dataclasses.replace(it, scale=None) if it.source.name == name else it for it in shard.items]
+    with pytest.raises(ContainerError, match=rf"{name} is stored int4-g64, but its source is F8_E4M3"):
+        verify_container(containers["fp8"], index, resolve(src), plan)

@@ -27,7 +27,7 @@ from ..records import ResolvedModel
 from .container import Container, ContainerError, StoredTensor, open_container
 from .io import pread_exact, row_bytes, row_chunks, source_rows
 from .plan import Item, JobPlan, build_plan
-from .schemes import f32_to_bf16_bits, max_bound_violation, quantize, to_f32
+from .schemes import FLOAT_SOURCE_DTYPES, f32_to_bf16_bits, max_bound_violation, quantize, to_f32
 
 # float64 arithmetic on the bound itself (x / scale, then rint) may land a hair past scale/2.
 BOUND_SLACK = 1e-9
@@ -165,6 +165,9 @@ def verify_container(out: Path, source: TensorIndex, model: ResolvedModel,
                 if st.shape != item.source.shape:
                     raise _fail(st.file, f"{name} holds a {list(st.shape)} matrix, the source "
                                          f"{list(item.source.shape)}")
+                if item.scale is None and item.source.dtype not in FLOAT_SOURCE_DTYPES:
+                    raise _fail(st.file, f"{name} is stored {st.scheme}, but its source is {item.source.dtype} "
+                                         "(a tensor convert copies)")
                 if item.packed_int4:
                     _check_packed_shape(files, item)
                 _check_quant(files, st, item, result)
