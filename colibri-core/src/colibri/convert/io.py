@@ -85,13 +85,19 @@ def _workers() -> ThreadPoolExecutor:
     return _pool
 
 
-def _quant_chunk(item: Item, fd: int, r0: int, r1: int) -> tuple[bytes, bytes]:
-    """(qweight bytes, scale bytes) of rows ``[r0, r1)`` of a quantized item."""
+def source_rows(item: Item, fd: int, r0: int, r1: int) -> np.ndarray:
+    """Rows ``[r0, r1)`` of a quantized item's source as the f32 values it stands for: a float source as is, an FP8
+    one dequantized with its block scales, a packed int4 one with its group scales. The converter and
+    ``--verify`` both read through here, so they agree on what the source holds."""
     t = item.source
     if item.packed_int4 and item.scale is not None:
-        rows = int4_source.read_rows(fd, t, item.scale, r0, r1)
-    else:
-        rows = fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
+        return int4_source.read_rows(fd, t, item.scale, r0, r1)
+    return fp8_source.read_rows(fd, t, item.scale, r0, r1) if item.scale else read_rows(fd, t, r0, r1)
+
+
+def _quant_chunk(item: Item, fd: int, r0: int, r1: int) -> tuple[bytes, bytes]:
+    """(qweight bytes, scale bytes) of rows ``[r0, r1)`` of a quantized item."""
+    rows = source_rows(item, fd, r0, r1)
     assert item.quant is not None
     q, s = fast_quant.quantize(item.quant, rows)
     return q.tobytes(), s.astype("<f2").tobytes()

@@ -372,7 +372,7 @@ def convert(model: ResolvedModel, out: Path, experts: str = "int8", dense: str =
     if verify:
         from .verify import verify_container
 
-        result.verified = verify_container(out, index, model)
+        result.verified = verify_container(out, index, model, plan)
         result.peak_rss_bytes = peak_rss_bytes()
     return result
 
