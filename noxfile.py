@@ -226,11 +226,15 @@ def bench_geometry(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """colibri vs llama.cpp at the real OLMoE-1B-7B geometry, in RAM and RAM-capped (slow, 20-40 min; never default).
+    """colibri vs llama.cpp at the real OLMoE-1B-7B geometry (slow, about an hour; never default): in RAM (int8 vs
+    Q8_0, int4 vs Q4_0, 64- and 512-token prompts), under caps of a third of the container, 3, 5 and 6 GiB (cold and
+    warm), and 1/2/4 concurrent streams under the tight cap, engines alternated over 3 rounds, medians of the quiet
+    runs, every run's load recorded; the disk bound is `coli tune`'s at the engine's queue depth.
 
     Builds (once, cached under ~/.cache/colibri/bench) a synthetic bf16 checkpoint and a router-skewed variant,
-    builds llama-cpp-python from its sdist and converts the same weights to GGUF; writes bench-results/ and
-    docs/benchmarks.md. Needs root for drop_caches, readahead and the cgroup v1 memory cap.
+    llama.cpp's library from the llama-cpp-python sdist, and the same weights as GGUF; writes bench-results/ and
+    docs/benchmarks.md. Needs root for drop_caches, readahead and the cgroup v1 memory cap. Environment knobs
+    (COLIBRI_BENCH_SCENARIOS, _CAPS, _POLICIES, _MERGE, ...) are listed at the top of engines/bench/stream_bench.py.
     """
     install_everything(session)
     session.install("matplotlib")
