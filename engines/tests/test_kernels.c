@@ -157,6 +157,34 @@ static void test_convert_paths(const char *label, cb_convert_fn convert) {
     free(got);
 }
 
+/* y += a * x on every length around the vector widths, at offsets, with signed zeros and values whose fused
+ * multiply-add would round differently from a product then a sum: the ISA's bits must be the scalar path's. */
+static void test_axpy_paths(const char *label, cb_axpy_fn axpy) {
+    static const size_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 128, 1003};
+    seed(91);
+    float *x = random_vector(1040), *y0 = random_vector(1040);
+    float *want = malloc(1040 * sizeof *want), *got = malloc(1040 * sizeof *got);
+    y0[3] = -0.0f;
+    x[3] = 0.0f;
+    y0[5] = 1.0f;
+    x[5] = 1.0f + 0x1p-23f;   /* 1 + a * x with a = 1 + 2^-23: the fused result differs in the last bit */
+    for (size_t k = 0; k < sizeof lengths / sizeof lengths[0]; k++)
+        for (size_t off = 0; off < 3; off++) {
+            size_t n = lengths[k];
+            float a = off == 1 ? 1.0f + 0x1p-23f : off == 2 ? -0.0f : 0.731f;
+            memcpy(want, y0 + off, n * sizeof *want);
+            memcpy(got, y0 + off, n * sizeof *got);
+            cb_axpy_scalar(want, a, x + off, n);
+            axpy(got, a, x + off, n);
+            check(memcmp(got, want, n * sizeof *got) == 0, "%s axpy n=%zu offset %zu: differs from scalar", label,
+                  n, off);
+        }
+    free(x);
+    free(y0);
+    free(want);
+    free(got);
+}
+
 /* Round to nearest, ties to even, from the definition: pick the closer of the two neighbouring bf16 values. */
 static uint16_t bf16_reference(float f) {
     if (isnan(f)) return 0x7fc0;
@@ -650,6 +678,7 @@ int main(void) {
         test_signed_zero_and_cancellation(isa);
         cb_set_isa(isa);
         test_convert_paths(cb_isa_name(isa), cb_current_convert());
+        test_axpy_paths(cb_isa_name(isa), cb_current_axpy());
         test_rows_fn_matches_scalar(cb_isa_name(isa), cb_current_rows());
         test_matmul_matches_matvec(isa);
         test_thread_counts(isa);

@@ -324,11 +324,9 @@ static void attend_one(void *ctx, int task) {
         sc[t] = cb_dot(cb_kv_k(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd, CB_F32, q, hd) * s->scale;
     cb_softmax(sc, pos + 1);
     memset(out, 0, (size_t)hd * sizeof(float));
-    for (int t = 0; t <= pos; t++) {
-        const float *v = cb_kv_v(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd;
-        float p = sc[t];
-        for (int d = 0; d < hd; d++) out[d] += p * v[d];
-    }
+    /* Each out[d] sums p_t * v_t[d] over t in order; the SIMD axpy does the same per lane (bit for bit). */
+    for (int t = 0; t <= pos; t++)
+        cb_axpy(out, sc[t], cb_kv_v(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd, (size_t)hd);
 }
 
 void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,

@@ -104,6 +104,18 @@ cb_convert_fn cb_current_convert(void) {
     }
 }
 
+cb_axpy_fn cb_current_axpy(void) {
+    switch (cb_get_isa()) {
+#if CB_HAVE_X86_KERNELS
+    case CB_ISA_AVX512: return cb_axpy_avx512;
+    case CB_ISA_AVX2: return cb_axpy_avx2;
+#endif
+    default: return cb_axpy_scalar;
+    }
+}
+
+void cb_axpy(float *y, float a, const float *x, size_t n) { cb_current_axpy()(y, a, x, n); }
+
 /* ---- matvec / matmul ------------------------------------------------------------------------------------------ */
 
 /* Below this many multiply-adds, waking the pool costs more than it saves. */

@@ -15,4 +15,14 @@
 #include "kernels_v16_avx2.h"
 #include "kernels_simd.h"
 
+/* A product, then a sum, each rounded (the file is built with -ffp-contract=off, so neither the intrinsics nor the
+ * tail's C become a fused multiply-add): the scalar expression's bits in every lane. */
+CB_TARGET void cb_axpy_avx2(float *y, float a, const float *x, size_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(va, _mm256_loadu_ps(x + i))));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
 #endif

@@ -44,6 +44,15 @@ static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     return cb_tree8_reduce(s8);
 }
 
+/* As cb_axpy_avx2: a rounded product, then a rounded sum, lane by lane. */
+CB_TARGET void cb_axpy_avx512(float *y, float a, const float *x, size_t n) {
+    __m512 va = _mm512_set1_ps(a);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_loadu_ps(y + i), _mm512_mul_ps(va, _mm512_loadu_ps(x + i))));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
 #else /* CB_AVX512_ON_AVX2 */
 
 #define CB_TARGET __attribute__((target("avx2,fma,f16c")))

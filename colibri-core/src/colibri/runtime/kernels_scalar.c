@@ -85,6 +85,10 @@ void cb_rows_scalar(float *Y, size_t ldy, const void *W, cb_dtype dt, const floa
     }
 }
 
+void cb_axpy_scalar(float *y, float a, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
 void cb_convert_scalar(float *out, const void *in, cb_dtype dt, size_t n) {
     if (dt == CB_F32) {
         memcpy(out, in, n * sizeof(float));
