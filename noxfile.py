@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import nox
@@ -73,8 +74,11 @@ def run_pytest(session: nox.Session, dirs: list[Path]) -> None:
     paths = test_dirs(session, dirs)
     # importlib mode lets every package keep a plain tests/ folder (same-named conftest and test files do not
     # clash); pythonpath keeps each folder's helper modules importable by its tests, as in pytest's default mode.
+    # An empty config dir of the run's own: what this machine's `coli tune` or `coli setup` saved (a tune profile
+    # changes I/O threads, the prefill chunk and so the plan's reserve) must not change what the tests see.
+    config = tempfile.mkdtemp(prefix="colibri-test-config-")
     session.run("python", "-m", "pytest", *PYTEST_ARGS, "-o", "pythonpath=" + " ".join(paths), *session.posargs,
-                *paths, env=TEST_ENV, success_codes=[0])
+                *paths, env={**TEST_ENV, "COLIBRI_CONFIG": config}, success_codes=[0])
 
 
 @nox.session

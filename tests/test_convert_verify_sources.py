@@ -13,17 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_convert import TinyMoeFamily, resolve, run_convert, write_tiny
 
-pytest.importorskip("torch")
-
-from test_convert import TinyMoeFamily, resolve, run_convert, write_tiny  # noqa: E402
-
-from colibri import hookimpl, plugins, source_quant  # noqa: E402
-from colibri.checkpoint import TensorIndex, default_shard_set, read_header  # noqa: E402
-from colibri.convert.container import ContainerError, open_container  # noqa: E402
-from colibri.convert.verify import verify_container  # noqa: E402
-from colibri.testing.fp8 import write_fp8_checkpoint  # noqa: E402
-from colibri.testing.int4_packed import write_int4_checkpoint  # noqa: E402
+from colibri import hookimpl, plugins, source_quant
+from colibri.checkpoint import TensorIndex, default_shard_set, read_header
+from colibri.convert.container import ContainerError, open_container
+from colibri.convert.verify import verify_container
+from colibri.testing.fp8 import write_fp8_checkpoint
+from colibri.testing.int4_packed import write_int4_checkpoint
 
 LAYERS, EXPERTS = 2, 16
 
