@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import signal
 import re
 import select
 import subprocess
@@ -92,6 +93,9 @@ def _controlling_tty() -> None:
     import termios
 
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)   # a new session has no controlling terminal: Ctrl-C would send nothing
+    # a suite started in the background of a non-interactive shell inherits SIGINT ignored; a terminal's user has
+    # the default
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def greedy(base: str, messages: list[dict[str, str]]) -> str:

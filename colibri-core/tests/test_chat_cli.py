@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import signal
 import re
 import select
 import subprocess
@@ -138,6 +139,9 @@ def _read_until(fd: int, pattern: str, timeout: float = 30.0) -> str:
 def _take_controlling_tty() -> None:
     # A new session has no controlling terminal; without one the pty's Ctrl-C would send no SIGINT.
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # A suite started in the background of a non-interactive shell inherits SIGINT ignored (and Python keeps an
+    # ignored SIGINT ignored); a user at a terminal has the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_tty_chat_ctrl_c_stops_the_reply_not_the_program(fake, tmp_path):

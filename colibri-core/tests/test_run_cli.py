@@ -187,7 +187,10 @@ def test_ctrl_c_stops_generation_prints_stats_and_exits_130(fake, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAKE_TOKEN_DELAY": "0.05"}
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fakefamily.py")), "run", "tell a story",
                              "--model", str(fake), "--max-tokens", "200", "--temp", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                            # as a user at a terminal has it, even when this suite runs in the background of a
+                            # non-interactive shell (which starts it with SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.read(1)   # text is streaming
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
