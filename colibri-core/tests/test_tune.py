@@ -73,10 +73,14 @@ def test_bad_flags_are_one_line(config, tmp_path):
     assert res.exit_code == 1 and "--seconds 0" in res.output
 
 
-def test_io_threads_stop_where_bandwidth_stops_growing():
-    flat_after_2 = points({1: 100e6, 2: 190e6, 4: 200e6, 8: 400e6})
+def test_io_threads_are_the_shallowest_depth_near_the_fastest():
+    flat_after_2 = points({1: 100e6, 2: 190e6, 4: 200e6, 8: 205e6})
     c = tune.choose(flat_after_2, 6 * MB, 1e-4, 3e-3, 64, 8)
     assert (c.io_threads, c.io, c.staging_buffers, c.disk_bandwidth) == (2, "buffered", 4, 190e6)
+    # a small step before a big one (this machine's virtual disk, direct): the big one counts
+    knee_late = points({1: 697e6, 2: 724e6, 4: 865e6, 8: 850e6})
+    assert tune.choose(knee_late, 6 * MB, 1e-4, 3e-3, 64, 8).io_threads == 4
+    assert tune.choose(points({1: 100e6, 2: 190e6, 4: 200e6, 8: 400e6}), 6 * MB, 1e-4, 3e-3, 64, 8).io_threads == 8
     growing = points({1: 100e6, 2: 200e6, 4: 400e6, 8: 800e6})
     assert tune.choose(growing, 6 * MB, 1e-4, 3e-3, 64, 8).staging_buffers == 16
     # direct wins where it reads at least as fast at its own knee

@@ -12,7 +12,8 @@ Stages, each cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/b
    memory child group under this process's own group, page cache dropped first. The same 64-token prompt, then
    32 teacher-forced decode steps (the protocol's ``forced`` field; greedy decode of a random model loops on two
    tokens and flatters any cache). llama.cpp runs with readahead at 128 KiB and at the disk's setting; the better
-   is the peer. (c) Concurrency under the same cap: 1, 2 and 4 streams started together on one engine of 4 slots
+   is the peer. (c) Concurrency under the tight cap and under 5 GiB: 1, 2 and 4 streams started together on one
+   engine of 4 slots
    (colibri decodes them in one batched pass per token, each expert any stream chose read once per layer) against
    llama.cpp's parallel sequences (one ``llama_decode`` of one token per sequence, as llama-server's slots do),
    aggregate decode tok/s over wall time, with the load average and other processes' CPU share of each run.
@@ -64,8 +65,13 @@ SCENARIOS = tuple(os.environ.get("COLIBRI_BENCH_SCENARIOS", "capped,concurrency,
 IN_RAM_PROMPTS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_PROMPTS", "64,512").split(","))
 # The caps: a third of the container (the tight case), then fixed budgets up to one the model barely misses.
 CAPS = tuple(os.environ.get("COLIBRI_BENCH_CAPS", "third,3GiB,5GiB,6GiB").split(","))
-# The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer), under the tight cap.
+# The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer), and its caps: the tight one,
+# where the disk is the bottleneck and streams can only share what their experts have in common (64 experts top-8:
+# four streams' union is ~26 experts a layer against one stream's 8, so the reads per token fall by at most 1.2x),
+# 5 GiB, where most experts are cached but four streams' working sets compete for the slots, and "ram" (no cap, page
+# cache warm), where batching can only share the compute's weight traffic.
 STREAMS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_STREAMS", "1,2,4").split(","))
+STREAM_CAPS = tuple(os.environ.get("COLIBRI_BENCH_STREAM_CAPS", "third,5GiB,ram").split(","))
 MERGE = os.environ.get("COLIBRI_BENCH_MERGE") == "1"
 # Every scenario runs this many rounds, the engines alternating (each round starts with the other one), and the
 # report takes medians over the quiet runs: one 32-token run on a shared virtual machine can be 15% off either way.
@@ -633,7 +639,7 @@ def load_window(*pids: int):
     return LoadWindow(pids, group=OWN_CPU)
 
 
-def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locality: bool, n: int,
+def run_colibri_streams(model: Path, ram: int | None, group: CappedGroup | None, locality: bool, n: int,
                         slots: int, tune: object = None) -> dict:
     """One engine of ``slots`` slots under the budget: an unmeasured warm-up request, then n streams sent in one
     write, so they prefill in the same round and decode together. Aggregate decode tok/s is the tokens that came
@@ -644,8 +650,8 @@ def run_colibri_streams(model: Path, ram: int, group: CappedGroup | None, locali
     from colibri.engine import Engine
     from colibri.model import resolve_model
 
-    spec = launch.prepare(resolve_model(str(model), None), ram_gib=ram / launch.GIB, ctx=256, slots=slots,
-                          threads=2, tune=tune)
+    spec = launch.prepare(resolve_model(str(model), None), ram_gib=ram / launch.GIB if ram else None, ctx=256,
+                          slots=slots, threads=2, tune=tune)
     argv = group.wrap(list(spec.argv)) if group else list(spec.argv)
     with Engine(argv, env=spec.env, ready_timeout=1800) as eng:
         warm_prompt, warm_forced = workload(GEOM["vocab"], locality, seed=99)
@@ -827,12 +833,13 @@ def run_capped(S: Session, model: Path, precision: str, container: Path, localit
         group.close()
 
 
-def run_concurrency(S: Session, model: Path, precision: str, container: Path, locality: bool) -> None:
+def run_concurrency(S: Session, model: Path, precision: str, container: Path, locality: bool,
+                    cap_name: str) -> None:
     """Scenario (c): ROUNDS rounds, each every stream count on each engine in turn (the engines alternate, and each
-    round starts one stream count later), all under the tight cap, each run from a dropped page cache (colibri's
-    engine answers one unmeasured request first; llama.cpp's load populates its mmap under the cap)."""
-    cap = cap_bytes_of("third", container_bytes(container))
-    group = CappedGroup(cap, "streams")
+    round starts one stream count later), all under one cap, each run from a dropped page cache (colibri's engine
+    answers one unmeasured request first; llama.cpp's load populates its mmap under the cap)."""
+    cap = None if cap_name == "ram" else cap_bytes_of(cap_name, container_bytes(container))
+    group = CappedGroup(cap, f"streams-{cap_name}") if cap else None
     try:
         for r in range(ROUNDS):
             for k in range(len(STREAMS)):
@@ -843,13 +850,17 @@ def run_concurrency(S: Session, model: Path, precision: str, container: Path, lo
                         continue
                     # llama.cpp at its better readahead under a cap (128 KiB: see LLAMA_READAHEADS); colibri reads
                     # its experts with O_DIRECT when tuned so, and at the disk's setting otherwise, as capped.
-                    ra = min(llama_readaheads(S, cap)) if engine == "llama.cpp" else S.original_ra
+                    ra = min(llama_readaheads(S, cap)) if engine == "llama.cpp" and cap else S.original_ra
                     set_readahead(S.disk, ra)
-                    # Cold, as each capped scenario starts: a page cached by an earlier run stays charged to that
-                    # run's group (reparented when it is removed), so llama.cpp's mmap would read it here for free,
-                    # outside this cap (measured: in-RAM speed under a third); colibri's O_DIRECT reads never are.
-                    drop_caches()
-                    log(f"{model.name}/{precision} concurrency {n} streams {engine} readahead {ra} KiB "
+                    if cap:
+                        # Cold, as each capped scenario starts: a page cached by an earlier run stays charged to
+                        # that run's group (reparented when it is removed), so llama.cpp's mmap would read it here
+                        # for free, outside this cap (measured: in-RAM speed under a third); colibri's O_DIRECT
+                        # reads never are.
+                        drop_caches()
+                    else:   # in RAM, as the in-RAM scenario: both engines start from a warm page cache
+                        warm_page_cache([*container.glob("*.safetensors")] if engine == "colibri" else [gguf])
+                    log(f"{model.name}/{precision} concurrency {cap_name} {n} streams {engine} readahead {ra} KiB "
                         f"(round {r + 1})")
                     (container / ".colibri-hotset").unlink(missing_ok=True)   # no run teaches the next
                     try:
@@ -858,12 +869,13 @@ def run_concurrency(S: Session, model: Path, precision: str, container: Path, lo
                     except Exception as exc:   # one failed run must not lose the others
                         stats = {"error": f"{type(exc).__name__}: {exc}"}
                     S.save(quiet({"model": model.name, "precision": precision, "scenario": "concurrency",
-                                  "cap_name": "third", "cap_bytes": cap, "temp": "warm", "engine": engine,
+                                  "cap_name": cap_name, "cap_bytes": cap, "temp": "warm", "engine": engine,
                                   "variant": f"{n} streams", "readahead_kb": ra, "round": r + 1, **stats,
                                   "streams": n}))
     finally:
         set_readahead(S.disk, S.original_ra)
-        group.close()
+        if group:
+            group.close()
 
 
 # ---- 4. the session ---------------------------------------------------------------------------------------------
@@ -962,15 +974,16 @@ def main() -> int:
                     continue
                 container = ensure_container(model, precision)
                 size = container_bytes(container)
-                results["models"][f"{model.name}/{precision}"] = {
-                    "bytes": size, "caps": {name: cap_bytes_of(name, size) for name in CAPS}}
+                caps = {name: cap_bytes_of(name, size) for name in (*CAPS, *STREAM_CAPS) if name != "ram"}
+                results["models"][f"{model.name}/{precision}"] = {"bytes": size, "caps": caps}
                 if scenario == "in_ram":
                     run_in_ram(S, model, precision, container, locality)
                 elif scenario == "capped":
                     for cap_name in CAPS:
                         run_capped(S, model, precision, container, locality, cap_name)
                 elif scenario == "concurrency":
-                    run_concurrency(S, model, precision, container, locality)
+                    for cap_name in STREAM_CAPS:
+                        run_concurrency(S, model, precision, container, locality, cap_name)
     set_readahead(disk, original_ra)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if earlier is not None:
@@ -1061,6 +1074,10 @@ def summarize(results: dict) -> dict:
             row["prefill_ratio"] = ratio(row["colibri_prefill"], row["llama_prefill"])
             row["decode_ratio"] = ratio(row["colibri_decode"], row["llama_decode"])
             summary["in_ram"].append(row)
+    # Where most experts are cached the disk bound exceeds what the cores compute: the machine's bound is then the
+    # engine's own in-RAM decode (same bits, same prompt, this session), the speed with every read hidden.
+    in_ram_decode = next((r["colibri_decode"] for r in summary["in_ram"]
+                          if r["precision"] == first and r["prompt"] == PROMPT_TOKENS), None)
     for cap_name in CAPS:
         for temp in ("cold", "warm"):
             where = dict(model="olmoe-synth", precision=first, scenario="capped", cap_name=cap_name, temp=temp)
@@ -1093,6 +1110,8 @@ def summarize(results: dict) -> dict:
             row["decode_ratio"] = ratio(row["colibri_decode"], row["llama_decode"])
             row["prefill_ratio"] = ratio(row["colibri_prefill"], row["llama_prefill"])
             row["share_of_bound"] = ratio(row["colibri_decode"], bound)
+            row["machine_bound"] = min((b for b in (bound, in_ram_decode) if b), default=None)
+            row["share_of_machine_bound"] = ratio(row["colibri_decode"], row["machine_bound"])
             row["policies"] = {}
             for variant in sorted({r["variant"] for r in runs_of(results, engine="colibri", **where)} - {"auto"}):
                 v_all = runs_of(results, engine="colibri", variant=variant, **where)
@@ -1103,14 +1122,17 @@ def summarize(results: dict) -> dict:
                                             "prefetch_used": med(v, lambda r: decode_of(r).get("prefetch_used")),
                                             "prefetch_issued": med(v, lambda r: decode_of(r).get("prefetch_issued"))}
             summary["capped"].append(row)
-    for model in MODELS:
+    made = {r.get("cap_name") for r in results["runs"] if r.get("scenario") == "concurrency"}
+    stream_caps = [c for c in STREAM_CAPS if c in made] + sorted(c for c in made if c not in STREAM_CAPS)
+    for cap_name, model in ((c, m) for c in stream_caps for m in MODELS):
         one: dict = {}
         rows = []
         for n in STREAMS:
-            row: dict = {"model": model, "streams": n}
+            row: dict = {"model": model, "streams": n, "cap_name": cap_name}
             for engine in ENGINES:
                 all_runs = [r for r in runs_of(results, model=model, engine=engine, precision=first,
-                                               scenario="concurrency", streams=n) if r.get("aggregate_tps")]
+                                               scenario="concurrency", streams=n, cap_name=cap_name)
+                            if r.get("aggregate_tps")]
                 runs, busy = chosen(all_runs)
                 row[engine] = {"aggregate": med(runs, "aggregate_tps"), "hit_rate": med(runs, hit_rate),
                                "read": med(runs, per_token("bytes_read")), "runs": calm_note(runs, len(all_runs)),
@@ -1144,11 +1166,18 @@ def targets(summary: dict) -> list[tuple[str, str, bool | None]]:
         out.append(("capped decode >= 80% of the disk bound (coli tune's bandwidth at the engine's queue depth)",
                     "; ".join(f"{r['cap_name']} {r['temp']}: {pct(r['share_of_bound'])}" for r in capped),
                     all(r["share_of_bound"] is not None and r["share_of_bound"] >= 0.8 for r in capped)))
-    fours = [(r["model"], r["colibri"].get("x_one")) for r in summary["concurrency"]
-             if r["streams"] == 4 and "colibri" in r]
-    if fours:
-        out.append(("aggregate decode at 4 streams >= 2x one stream under the cap",
-                    "; ".join(f"{m}: {fmt(x)}x" for m, x in fours), all(x is not None and x >= 2.0 for _, x in fours)))
+        out.append(("(context, not the issue's target) capped decode >= 80% of the machine bound: the disk bound, "
+                    "or colibri's own in-RAM decode where that is lower",
+                    "; ".join(f"{r['cap_name']} {r['temp']}: {pct(r['share_of_machine_bound'])}" for r in capped),
+                    all(r["share_of_machine_bound"] is not None and r["share_of_machine_bound"] >= 0.8
+                        for r in capped)))
+    for what, in_ram in (("aggregate decode at 4 streams >= 2x one stream under the cap", False),
+                         ("(context, not the issue's target) the same in RAM", True)):
+        fours = [(f"{r['model']} {r['cap_name']}", r["colibri"].get("x_one")) for r in summary["concurrency"]
+                 if r["streams"] == 4 and "colibri" in r and (r["cap_name"] == "ram") == in_ram]
+        if fours:
+            out.append((what, "; ".join(f"{m}: {fmt(x)}x" for m, x in fours),
+                        all(x is not None and x >= 2.0 for _, x in fours)))
     return out
 
 
@@ -1218,7 +1247,9 @@ def write_markdown(results: dict, summary: dict) -> None:
         f"for the engine" + (f" ({depth['bytes_per_s'] / 1e9:.2f} GB/s)" if depth else "") + "; sequential "
         f"O_DIRECT reads gave {results['disk_bandwidth_qd1'] / 1e9:.2f} GB/s (one reader) and "
         f"{results['disk_bandwidth_4_readers'] / 1e9:.2f} GB/s (four). Every colibri run uses that profile, as "
-        "`coli run` does. The disk bound is tune's bandwidth / ((1 - decode hit rate) x routed bytes per token).",
+        "`coli run` does. The disk bound is tune's bandwidth / ((1 - decode hit rate) x routed bytes per token); "
+        "the machine bound is the lower of it and colibri's own in-RAM decode measured here (same bits and prompt): "
+        "a token can go no faster than its compute with every read hidden.",
         "",
         f"Method: {results['rounds']} rounds per scenario, the engines alternating (each round starts with the "
         "other). Every run records the 1-minute load average and the share of the machine's CPU other processes "
@@ -1241,8 +1272,9 @@ def write_markdown(results: dict, summary: dict) -> None:
               "llama.cpp's figure is its better readahead (the KiB column); its other readahead is in the JSON.", "",
               "| cap | run | colibri prefill | colibri decode | hit rate | read/token | peak RSS | load s | llama.cpp "
               "prefill | llama.cpp decode (readahead KiB) | llama.cpp read/token | llama.cpp load s | decode ratio | "
-              "prefill ratio | disk bound tok/s | share of bound | colibri runs | llama.cpp runs |",
-              "|" + "---|" * 18]
+              "prefill ratio | disk bound tok/s | share of bound | machine bound tok/s | share of machine bound | "
+              "colibri runs | llama.cpp runs |",
+              "|" + "---|" * 20]
     for r in summary["capped"]:
         peer = r["llama"].get(r["llama_best_ra"], {})
         lines.append(f"| {r['cap_name']} ({r['cap_bytes'] / 2**30:.2f} GiB) | {r['temp']} | "
@@ -1251,7 +1283,8 @@ def write_markdown(results: dict, summary: dict) -> None:
                      f"{fmt(r['llama_prefill'], '.1f')} | {fmt(r['llama_decode'])} ({r['llama_best_ra']}) | "
                      f"{mb(peer.get('read'))} | {fmt(peer.get('load_s'), '.1f')} | "
                      f"{fmt(r['decode_ratio'])} | {fmt(r['prefill_ratio'])} | {fmt(r['bound'])} | "
-                     f"{pct(r['share_of_bound'])} | {r['colibri_runs']} | {peer.get('runs', '–')} |")
+                     f"{pct(r['share_of_bound'])} | {fmt(r['machine_bound'])} | {pct(r['share_of_machine_bound'])} | "
+                     f"{r['colibri_runs']} | {peer.get('runs', '–')} |")
     variants = sorted({v for r in summary["capped"] for v in r["policies"]})
     if variants:
         lines += ["", "Other caching policies under the same caps (colibri alone, same rounds; each cell decode tok/s, "
@@ -1277,19 +1310,20 @@ def write_markdown(results: dict, summary: dict) -> None:
         lines.append(f"| {label} | {run} | " +
                      " | ".join(fmt(1000 * s[k] if s[k] is not None else None, ".1f") for k in SPLIT_KEYS) + " |")
     if summary["concurrency"]:
-        lines += ["", f"### Concurrency under the tight cap ({first}, a third of the container)", "",
+        lines += ["", f"### Concurrency ({first}): under a cap, and in RAM", "",
                   f"One engine of {max(STREAMS)} slots for every stream count; the streams start together, each a "
                   f"different {PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} teacher-forced steps. Aggregate "
                   "decode tok/s: colibri, tokens after the last stream's first one over the wall time from then to "
                   "the last token; llama.cpp (parallel sequences through llama-cpp-python's batch API, one "
                   "`llama_decode` of one token per sequence, as llama-server's slots do), every sequence's steps "
                   "over the batched decode loop's time. llama.cpp runs on the plain model only.", "",
-                  "| model | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | colibri runs | "
-                  "llama.cpp aggregate tok/s | x one stream | llama.cpp runs | colibri / llama.cpp |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| cap | model | streams | colibri aggregate tok/s | x one stream | hit rate | read/token | "
+                  "colibri runs | llama.cpp aggregate tok/s | x one stream | llama.cpp runs | colibri / llama.cpp |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in summary["concurrency"]:
             c, ll = r.get("colibri", {}), r.get("llama.cpp", {})
-            lines.append(f"| {r['model']} | {r['streams']} | {fmt(c.get('aggregate'))} | {fmt(c.get('x_one'))} | "
+            lines.append(f"| {r['cap_name']} | {r['model']} | {r['streams']} | {fmt(c.get('aggregate'))} | "
+                         f"{fmt(c.get('x_one'))} | "
                          f"{pct(c.get('hit_rate'))} | {mb(c.get('read'))} | {c.get('runs', '–')} | "
                          f"{fmt(ll.get('aggregate'))} | {fmt(ll.get('x_one'))} | {ll.get('runs', '–')} | "
                          f"{fmt(ratio(c.get('aggregate'), ll.get('aggregate')))} |")
