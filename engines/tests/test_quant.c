@@ -353,24 +353,34 @@ static void test_max_cols_wrap(void) {
     free(w), free(x);
 }
 
+/* Every thread count gives the bits of one thread and of the scalar path: for a prefill (3 inputs: 16-row tasks) and
+ * for decode (1 and 2 inputs: 64-row tasks, the last one partial, each prefetching the next row block). */
 static void test_thread_counts(void) {
-    test_matrix t = make_matrix(CB_Q4_G64, 97, 256, 1);
-    float *x = random_inputs(3, 256), y1[3 * 97], y[3 * 97];
-    cb_qact a;
-    cb_qact_init(&a, 3, 256);
-    cb_qact_quantize(&a, x, 3);
-    for (int threads = 1; threads <= 3; threads++) {
-        if (cb_threads_init(threads) != 0) {
-            check(0, "cb_threads_init(%d)", threads);
-            continue;
+    for (int s = 0; s < 2; s++)
+        for (int n = 1; n <= 3; n++) {
+            const cb_qscheme scheme = s ? CB_Q4_G64 : CB_Q8_ROW;
+            const int rows = 161, cols = 256;
+            test_matrix t = make_matrix(scheme, rows, cols, 1);
+            float *x = random_inputs(n, cols), y1[3 * 161], y[3 * 161];
+            cb_qact a;
+            cb_qact_init(&a, n, cols);
+            cb_qact_quantize(&a, x, n);
+            cb_qpath_set(CB_QPATH_SCALAR);
+            check(cb_qmatmul(y1, &t.m, &a) == 0, "scalar matmul %dx%d n=%d", rows, cols, n);
+            cb_qpath_reset();
+            for (int threads = 1; threads <= 3; threads++) {
+                if (cb_threads_init(threads) != 0) {
+                    check(0, "cb_threads_init(%d)", threads);
+                    continue;
+                }
+                check(cb_qmatmul(y, &t.m, &a) == 0 && same_bits(y, y1, (size_t)n * rows),
+                      "%s n=%d with %d threads gives the scalar bits", s ? "int4" : "int8", n, threads);
+                cb_threads_shutdown();
+            }
+            cb_qact_free(&a);
+            free(x);
+            free_matrix(&t);
         }
-        check(cb_qmatmul(threads == 1 ? y1 : y, &t.m, &a) == 0, "matmul with %d threads", threads);
-        if (threads > 1) check(same_bits(y, y1, 3 * 97), "%d threads give the bits of 1 thread", threads);
-        cb_threads_shutdown();
-    }
-    cb_qact_free(&a);
-    free(x);
-    free_matrix(&t);
 }
 
 int main(void) {

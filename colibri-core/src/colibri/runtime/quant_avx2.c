@@ -30,7 +30,9 @@ INLINE void q8_tile(float *out, const cb_qtile *t, const int R, const int N) {
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
     const int cols = t->cols, main_cols = cols - cols % 32;
+    cb_qprefetch pf = cb_qprefetch_begin(t, cols / 32);
     for (int c = 0; c < main_cols; c += 32) {
+        cb_qprefetch_step(&pf);
         __m256i xv[2];
 #pragma GCC unroll 2
         for (int j = 0; j < N; j++) xv[j] = _mm256_loadu_si256((const __m256i *)(t->x[j] + c));
@@ -61,7 +63,9 @@ INLINE void q4_tile(float *out, const cb_qtile *t, const int R, const int N) {
     for (int k = 0; k < 8; k++) row_of_lane[k] = (k % R) * groups;
     const __m256i scale_index = _mm256_loadu_si256((const __m256i *)row_of_lane);
     __m256 s = _mm256_setzero_ps();
+    cb_qprefetch pf = cb_qprefetch_begin(t, groups);
     for (int g = 0; g < groups; g++) {
+        cb_qprefetch_step(&pf);
         __m256i even[2], odd[2], acc[8];
 #pragma GCC unroll 2
         for (int j = 0; j < N; j++) {

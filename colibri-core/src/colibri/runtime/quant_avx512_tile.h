@@ -70,7 +70,11 @@ QT_INLINE void QT_NAME(q8_tile_)(float *out, const cb_qtile *t, const int R, con
 #pragma GCC unroll 16
     for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_si512();
     const int cols = t->cols, main_cols = cols - cols % 64;
-    for (int c = 0; c < main_cols; c += 64) QT_NAME(q8_chunk_)(acc, t, c, ~(__mmask64)0, R, N);
+    cb_qprefetch pf = cb_qprefetch_begin(t, cols / 64);
+    for (int c = 0; c < main_cols; c += 64) {
+        cb_qprefetch_step(&pf);
+        QT_NAME(q8_chunk_)(acc, t, c, ~(__mmask64)0, R, N);
+    }
     if (main_cols < cols) QT_NAME(q8_chunk_)(acc, t, main_cols, ~(__mmask64)0 >> (64 - (cols - main_cols)), R, N);
     __m512i a, b;
     QT_NAME(reduce_pair_)(acc, &a, &b);
@@ -118,8 +122,10 @@ QT_INLINE void QT_NAME(q4_tile_)(float *out, const cb_qtile *t, const int R, con
     for (int k = 0; k < 16; k++) row_of_lane[k] = (k % R) * groups;
     const __m512i scale_index = _mm512_loadu_si512((const void *)row_of_lane);
     __m512 s = _mm512_setzero_ps();
+    cb_qprefetch pf = cb_qprefetch_begin(t, groups / 2);
     int g = 0;
     for (; g + 2 <= groups; g += 2) {
+        cb_qprefetch_step(&pf);
         __m512i a, b;
         QT_NAME(q4_groups_)(&a, &b, t, g, 1, R, N);
         s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_i32gather_ps(scale_index, t->w_scales + g, 4), s);
