@@ -335,6 +335,31 @@ static void test_rows_fn_matches_scalar(const char *label, cb_rows_fn rows_fn) {
     }
 }
 
+/* cb_dots (one f32 row against inputs at strides, as attention reads one KV head against many query rows or heads)
+ * gives cb_dot's scalar bits for every input, at lengths around the vector widths and input counts around the
+ * tile shapes; the outputs between its strided slots stay untouched. */
+static void test_dots_match_scalar(cb_isa isa) {
+    static const int lengths[] = {0, 1, 15, 16, 17, 31, 64, 100, 128};
+    static const int counts[] = {1, 2, 3, 4, 5, 9};
+    cb_set_isa(isa);
+    for (size_t l = 0; l < sizeof lengths / sizeof lengths[0]; l++)
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+            int cols = lengths[l], n = counts[k];
+            size_t ldx = (size_t)cols + 3, ldy = 5;
+            seed((uint64_t)(cols * 31 + n));
+            float *w = random_vector((size_t)cols), *X = random_vector((size_t)n * ldx);
+            float want[9 * 5], got[9 * 5];
+            for (size_t i = 0; i < sizeof got / sizeof got[0]; i++) want[i] = got[i] = (float)i;
+            for (int j = 0; j < n; j++)
+                cb_rows_scalar(want + (size_t)j * ldy, 1, w, CB_F32, X + (size_t)j * ldx, 0, 1, 0, 1, cols);
+            cb_dots(got, ldy, w, X, ldx, n, cols);
+            check(memcmp(got, want, sizeof got) == 0, "%s cb_dots n=%d cols=%d differ from scalar", cb_isa_name(isa),
+                  n, cols);
+            free(w);
+            free(X);
+        }
+}
+
 static void test_matmul_matches_matvec(cb_isa isa) {
     static const int counts[] = {1, 2, 3, 5, 8, 13};
     for (int d = 0; d < 3; d++) {
@@ -668,6 +693,7 @@ int main(void) {
     test_rope();
 
     test_matmul_matches_matvec(CB_ISA_SCALAR);
+    test_dots_match_scalar(CB_ISA_SCALAR);
     for (int i = CB_ISA_AVX2; i <= CB_ISA_AVX512; i++) {
         cb_isa isa = (cb_isa)i;
         if (!isa_available(isa)) {
@@ -681,6 +707,7 @@ int main(void) {
         test_axpy_paths(cb_isa_name(isa), cb_current_axpy());
         test_rows_fn_matches_scalar(cb_isa_name(isa), cb_current_rows());
         test_matmul_matches_matvec(isa);
+        test_dots_match_scalar(isa);
         test_thread_counts(isa);
     }
     test_thread_counts(CB_ISA_SCALAR);

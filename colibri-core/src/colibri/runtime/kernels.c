@@ -180,6 +180,10 @@ float cb_dot(const void *w_row, cb_dtype dt, const float *x, int cols) {
     return y;
 }
 
+void cb_dots(float *Y, size_t ldy, const float *w, const float *X, size_t ldx, int n, int cols) {
+    if (n > 0) cb_current_rows()(Y, ldy, w, CB_F32, X, ldx, n, 0, 1, cols < 0 ? 0 : cols);
+}
+
 void cb_convert_to_f32(float *out, const void *in, cb_dtype dt, size_t n) { cb_current_convert()(out, in, dt, n); }
 
 /* ---- elementwise kernels (scalar on every ISA, so trivially identical) ---------------------------------------- */

@@ -53,6 +53,10 @@ void cb_convert_to_f32(float *out, const void *in, cb_dtype dt, size_t n);
 
 /* Dot product of x (f32) with one weight row of dtype dt, in the fixed lane order above. */
 float cb_dot(const void *w_row, cb_dtype dt, const float *x, int cols);
+/* Y[j * ldy] = cb_dot(w, CB_F32, X + j * ldx, cols) for j < n, bit for bit, on the calling thread: one f32 row
+ * (say one KV head's key at one position) against n inputs at any strides (the query rows or heads that read it),
+ * loaded once for all of them. */
+void cb_dots(float *Y, size_t ldy, const float *w, const float *X, size_t ldx, int n, int cols);
 /* y[r] = dot(W[r,:], x) for r < rows; W row-major, `cols` elements per row. Parallel over rows once
  * rows * cols >= 32768. y must not alias W or x. */
 void cb_matvec(float *y, const void *W, cb_dtype dt, const float *x, int rows, int cols);
