@@ -304,19 +304,20 @@ void cb_kv_store(cb_kv *kv, int layer, int pos0, int n, const float *k, const fl
 
 /* Attention is memory-bound, not arithmetic-bound: one position's K (or V) row holds every KV head, kv_dim floats
  * in a row, and the next position's row of the same head is kv_dim floats further (8 KB at OLMoE's geometry, a new
- * page each time). So a task is a block of query rows x a block of KV heads that walks the positions once, reading
- * each position's slice of those heads contiguously (prefetched a few positions ahead) and using it for every query
- * row of the block, then does the same over V. Each (row, head, position) score is still cb_dot's bits (cb_dots
- * computes the same pairs), and each out[d] still sums p_t * v_t[d] over t in order (cb_axpy per position), so
- * neither the blocking nor the split across threads changes a bit. */
+ * page each time, which the hardware prefetcher does not follow). So a task is a block of query rows x a block of
+ * KV heads that walks the positions once in chunks: the next chunk's slice of those heads is prefetched while this
+ * one, already in cache, serves every (row, head) of the block; then the same over V. A score is one cb_dots call
+ * per (row, head, chunk) with the query as the row and the chunk's keys as the inputs: fmaf(k, q, acc) and
+ * fmaf(q, k, acc) are the same number, so each (row, head, position) score is cb_dot's bits, and each out[d] still
+ * sums p_t * v_t[d] over t in order (cb_axpy per position). Neither the blocking nor the split across threads
+ * changes a bit. */
 
-/* Query rows per task: each K/V slice loaded is used by this many rows of a prefill. */
+/* Query rows per task: each K/V chunk loaded is used by this many rows of a prefill. */
 #define ATTEND_ROW_BLOCK 32
 /* Prefill tasks per thread, as cb_matmul: enough to even out causal row blocks of unequal length. */
 #define ATTEND_TASKS_PER_THREAD 4
-/* How many positions ahead the next K/V slices are requested: the hardware prefetcher does not follow a stride
- * of a page or more. */
-#define ATTEND_PREFETCH_POSITIONS 4
+/* Positions per chunk: a chunk of every head (16 x 8 KB at OLMoE's geometry) stays well inside L2. */
+#define ATTEND_CHUNK 16
 
 typedef struct {
     float *out, *scores;
@@ -324,15 +325,16 @@ typedef struct {
     const cb_kv *kv;
     const cb_attn_shape *s;
     int layer, pos0, n;
-    int row_block, kv_block, kv_blocks;
+    int row_block, row_blocks, kv_block;
 } attend_job;
 
-static void prefetch_floats(const float *p, size_t n) {
+/* Positions [t0, t1) of one head slice (span floats at each position's row of kv_dim). */
+static void prefetch_chunk(const float *at, size_t kv_dim, size_t span, int t0, int t1) {
 #if defined(__GNUC__) || defined(__clang__)
-    for (size_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+    for (int t = t0; t < t1; t++)
+        for (size_t i = 0; i < span; i += 64 / sizeof(float)) __builtin_prefetch(at + (size_t)t * kv_dim + i);
 #else
-    (void)p;
-    (void)n;
+    (void)at, (void)kv_dim, (void)span, (void)t0, (void)t1;
 #endif
 }
 
@@ -342,46 +344,51 @@ static void attend_block(void *ctx, int task) {
     const attend_job *j = ctx;
     const cb_attn_shape *s = j->s;
     const cb_kv *kv = j->kv;
-    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads, pos0 = j->pos0, layer = j->layer;
-    int r0 = (task % (j->n / j->row_block + (j->n % j->row_block != 0))) * j->row_block;
-    int g0 = (task / (j->n / j->row_block + (j->n % j->row_block != 0))) * j->kv_block;
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads, pos0 = j->pos0;
+    int r0 = (task % j->row_blocks) * j->row_block, g0 = (task / j->row_blocks) * j->kv_block;
     int r1 = r0 + j->row_block < j->n ? r0 + j->row_block : j->n;
     int g1 = g0 + j->kv_block < s->n_kv_heads ? g0 + j->kv_block : s->n_kv_heads;
-    int h0 = g0 * group, h1 = g1 * group, last = pos0 + r1 - 1;
-    size_t q_width = (size_t)s->n_heads * (size_t)hd, ctx_len = (size_t)kv->ctx;
-    size_t row_scores = (size_t)s->n_heads * ctx_len, span_at = (size_t)g0 * (size_t)hd;
-    size_t span = (size_t)(g1 - g0) * (size_t)hd;
+    int h0 = g0 * group, h1 = g1 * group, end = pos0 + r1;
+    size_t q_width = (size_t)s->n_heads * (size_t)hd, ctx_len = (size_t)kv->ctx, kv_dim = (size_t)kv->kv_dim;
+    size_t row_scores = (size_t)s->n_heads * ctx_len, span = (size_t)(g1 - g0) * (size_t)hd;
+    const float *K = cb_kv_k(kv, j->layer, 0) + (size_t)g0 * (size_t)hd;
+    const float *V = cb_kv_v(kv, j->layer, 0) + (size_t)g0 * (size_t)hd;
+    float *scores = j->scores, *out = j->out;
 
-    for (int t = 0; t <= last; t++) {
-        if (t + ATTEND_PREFETCH_POSITIONS <= last)
-            prefetch_floats(cb_kv_k(kv, layer, t + ATTEND_PREFETCH_POSITIONS) + span_at, span);
-        const float *k = cb_kv_k(kv, layer, t);
-        int first = t - pos0 > r0 ? t - pos0 : r0;
-        for (int h = h0; h < h1; h++)
-            cb_dots(j->scores + (size_t)first * row_scores + (size_t)h * ctx_len + (size_t)t, row_scores,
-                    k + (size_t)(h / group) * (size_t)hd, j->q + (size_t)first * q_width + (size_t)h * (size_t)hd,
-                    q_width, r1 - first, hd);
+    prefetch_chunk(K, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
+    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
+        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
+        prefetch_chunk(K, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
+        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
+            int seen = pos0 + i + 1 < t1 ? pos0 + i + 1 : t1;
+            for (int h = h0; h < h1; h++)
+                cb_dots(scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0, 1,
+                        j->q + (size_t)i * q_width + (size_t)h * (size_t)hd,
+                        K + (size_t)t0 * kv_dim + (size_t)(h / group - g0) * (size_t)hd, kv_dim, seen - t0, hd);
+        }
     }
+    prefetch_chunk(V, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
     for (int i = r0; i < r1; i++) {
         int len = pos0 + i + 1;
         for (int h = h0; h < h1; h++) {
-            float *sc = j->scores + (size_t)i * row_scores + (size_t)h * ctx_len;
+            float *sc = scores + (size_t)i * row_scores + (size_t)h * ctx_len;
             for (int t = 0; t < len; t++) sc[t] *= s->scale;
             cb_softmax(sc, len);
         }
-        memset(j->out + (size_t)i * q_width + (size_t)h0 * (size_t)hd, 0,
-               (size_t)(h1 - h0) * (size_t)hd * sizeof(float));
+        memset(out + (size_t)i * q_width + (size_t)h0 * (size_t)hd, 0, (size_t)(h1 - h0) * (size_t)hd * sizeof *out);
     }
-    for (int t = 0; t <= last; t++) {
-        if (t + ATTEND_PREFETCH_POSITIONS <= last)
-            prefetch_floats(cb_kv_v(kv, layer, t + ATTEND_PREFETCH_POSITIONS) + span_at, span);
-        const float *v = cb_kv_v(kv, layer, t);
-        for (int i = t - pos0 > r0 ? t - pos0 : r0; i < r1; i++) {
-            const float *p = j->scores + (size_t)i * row_scores + (size_t)t;
-            float *out = j->out + (size_t)i * q_width;
-            for (int h = h0; h < h1; h++)
-                cb_axpy(out + (size_t)h * (size_t)hd, p[(size_t)h * ctx_len], v + (size_t)(h / group) * (size_t)hd,
-                        (size_t)hd);
+    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
+        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
+        prefetch_chunk(V, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
+        for (int t = t0; t < t1; t++) {
+            const float *v = V + (size_t)t * kv_dim;
+            for (int i = t - pos0 > r0 ? t - pos0 : r0; i < r1; i++) {
+                const float *p = scores + (size_t)i * row_scores + (size_t)t;
+                float *o = out + (size_t)i * q_width;
+                for (int h = h0; h < h1; h++)
+                    cb_axpy(o + (size_t)h * (size_t)hd, p[(size_t)h * ctx_len], v + (size_t)(h / group - g0) * (size_t)hd,
+                            (size_t)hd);
+            }
         }
     }
 }
@@ -391,15 +398,14 @@ void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0,
     if (n <= 0) return;
     double t0 = cb_now_s();
     attend_job j = {out, scores, q, kv, s, layer, pos0, n, n < ATTEND_ROW_BLOCK ? n : ATTEND_ROW_BLOCK, 0, 0};
-    int row_blocks = (n + j.row_block - 1) / j.row_block;
+    j.row_blocks = (n + j.row_block - 1) / j.row_block;
     /* One row (decode): one KV-head block per thread, so each reads the widest contiguous slice per position. */
-    int wanted = cb_threads_count() * (row_blocks > 1 ? ATTEND_TASKS_PER_THREAD : 1);
-    int kv_splits = (wanted + row_blocks - 1) / row_blocks;
+    int wanted = cb_threads_count() * (j.row_blocks > 1 ? ATTEND_TASKS_PER_THREAD : 1);
+    int kv_splits = (wanted + j.row_blocks - 1) / j.row_blocks;
     if (kv_splits > s->n_kv_heads) kv_splits = s->n_kv_heads;
-    if (kv_splits < 1) kv_splits = 1;
     j.kv_block = (s->n_kv_heads + kv_splits - 1) / kv_splits;
-    j.kv_blocks = (s->n_kv_heads + j.kv_block - 1) / j.kv_block;
-    cb_parallel_for(row_blocks * j.kv_blocks, attend_block, &j);
+    int kv_blocks = (s->n_kv_heads + j.kv_block - 1) / j.kv_block;
+    cb_parallel_for(j.row_blocks * kv_blocks, attend_block, &j);
     cb_prof.attention_s += cb_now_s() - t0;
 }
 
