@@ -185,6 +185,34 @@ static void test_axpy_paths(const char *label, cb_axpy_fn axpy) {
     free(got);
 }
 
+/* cb_axpy_rows: m axpy steps per element in order of t, y kept in registers across them: the scalar steps' bits at
+ * lengths around the register blocks, with strided coefficients and rows and the fused-multiply-add trap above. */
+static void test_axpy_rows_paths(const char *label, cb_axpy_rows_fn axpy_rows) {
+    static const size_t lengths[] = {0, 1, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 130};
+    static const int steps[] = {0, 1, 2, 5, 16};
+    enum { LDA = 3, MAX_N = 130, LDX = MAX_N + 5 };
+    seed(92);
+    float *X = random_vector((size_t)16 * LDX), *a = random_vector((size_t)16 * LDA), *y0 = random_vector(MAX_N);
+    float want[MAX_N], got[MAX_N];
+    y0[5] = 1.0f;
+    X[5] = 1.0f + 0x1p-23f;
+    a[0] = 1.0f + 0x1p-23f;
+    a[LDA] = -0.0f;
+    for (size_t k = 0; k < sizeof lengths / sizeof lengths[0]; k++)
+        for (size_t m = 0; m < sizeof steps / sizeof steps[0]; m++) {
+            size_t n = lengths[k];
+            memcpy(want, y0, sizeof want);
+            memcpy(got, y0, sizeof got);
+            cb_axpy_rows_scalar(want, a, LDA, X, LDX, steps[m], n);
+            axpy_rows(got, a, LDA, X, LDX, steps[m], n);
+            check(memcmp(got, want, sizeof got) == 0, "%s axpy_rows n=%zu m=%d: differs from scalar", label, n,
+                  steps[m]);
+        }
+    free(X);
+    free(a);
+    free(y0);
+}
+
 /* Round to nearest, ties to even, from the definition: pick the closer of the two neighbouring bf16 values. */
 static uint16_t bf16_reference(float f) {
     if (isnan(f)) return 0x7fc0;
@@ -705,6 +733,7 @@ int main(void) {
         cb_set_isa(isa);
         test_convert_paths(cb_isa_name(isa), cb_current_convert());
         test_axpy_paths(cb_isa_name(isa), cb_current_axpy());
+        test_axpy_rows_paths(cb_isa_name(isa), cb_current_axpy_rows());
         test_rows_fn_matches_scalar(cb_isa_name(isa), cb_current_rows());
         test_matmul_matches_matvec(isa);
         test_dots_match_scalar(isa);

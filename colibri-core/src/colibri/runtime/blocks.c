@@ -309,8 +309,8 @@ void cb_kv_store(cb_kv *kv, int layer, int pos0, int n, const float *k, const fl
  * one, already in cache, serves every (row, head) of the block; then the same over V. A score is one cb_dots call
  * per (row, head, chunk) with the query as the row and the chunk's keys as the inputs: fmaf(k, q, acc) and
  * fmaf(q, k, acc) are the same number, so each (row, head, position) score is cb_dot's bits, and each out[d] still
- * sums p_t * v_t[d] over t in order (cb_axpy per position). Neither the blocking nor the split across threads
- * changes a bit. */
+ * sums p_t * v_t[d] over t in order (cb_axpy_rows: cb_axpy's steps, a chunk of positions per call). Neither the
+ * blocking nor the split across threads changes a bit. */
 
 /* Query rows per task: each K/V chunk loaded is used by this many rows of a prefill. */
 #define ATTEND_ROW_BLOCK 32
@@ -364,7 +364,8 @@ static void attend_block(void *ctx, int task) {
             for (int h = h0; h < h1; h++)
                 cb_dots(scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0, 1,
                         j->q + (size_t)i * q_width + (size_t)h * (size_t)hd,
-                        K + (size_t)t0 * kv_dim + (size_t)(h / group - g0) * (size_t)hd, kv_dim, seen - t0, hd);
+                        K + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd, kv_dim, seen - t0,
+                        hd);
         }
     }
     prefetch_chunk(V, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
@@ -380,15 +381,13 @@ static void attend_block(void *ctx, int task) {
     for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
         int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
         prefetch_chunk(V, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
-        for (int t = t0; t < t1; t++) {
-            const float *v = V + (size_t)t * kv_dim;
-            for (int i = t - pos0 > r0 ? t - pos0 : r0; i < r1; i++) {
-                const float *p = scores + (size_t)i * row_scores + (size_t)t;
-                float *o = out + (size_t)i * q_width;
-                for (int h = h0; h < h1; h++)
-                    cb_axpy(o + (size_t)h * (size_t)hd, p[(size_t)h * ctx_len], v + (size_t)(h / group - g0) * (size_t)hd,
-                            (size_t)hd);
-            }
+        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
+            int seen = pos0 + i + 1 < t1 ? pos0 + i + 1 : t1;
+            for (int h = h0; h < h1; h++)
+                cb_axpy_rows(out + (size_t)i * q_width + (size_t)h * (size_t)hd,
+                             scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0, 1,
+                             V + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd, kv_dim,
+                             seen - t0, (size_t)hd);
         }
     }
 }

@@ -67,6 +67,9 @@ void cb_matmul(float *Y, const void *W, cb_dtype dt, const float *X, int n, int 
 void cb_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
 void cb_softmax(float *x, int n);
 void cb_axpy(float *y, float a, const float *x, size_t n);   /* y[i] += a * x[i], the scalar expression's bits */
+/* y[i] += a[t * lda] * X[t * ldx + i] for t = 0 .. m-1 in order: the bits of m cb_axpy calls, with y held in
+ * registers across them (attention's value sum over a chunk of positions). */
+void cb_axpy_rows(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 void cb_silu_mul(float *gate, const float *up, int n);    /* gate[i] = silu(gate[i]) * up[i] */
 /* RoPE on n_heads heads of head_dim, rotating the first rot_dim dims of each head at position pos.
  * neox: pairs (i, i + rot_dim/2); interleaved: pairs (2i, 2i+1). inv_freq has rot_dim/2 entries. */
