@@ -19,6 +19,8 @@
 void cb_rows_avx512_on_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n,
                             int r0, int r1, int cols);
 void cb_convert_avx512_on_avx2(float *out, const void *in, cb_dtype dt, size_t n);
+void cb_axpy_rows_avx512_on_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
+                                 size_t n);
 #endif
 
 static int passed, failed;
@@ -744,6 +746,7 @@ int main(void) {
     if (isa_available(CB_ISA_AVX2)) {
         test_convert_paths("avx512-tiles-on-avx2", cb_convert_avx512_on_avx2);
         test_rows_fn_matches_scalar("avx512-tiles-on-avx2", cb_rows_avx512_on_avx2);
+        test_axpy_rows_paths("avx512-tiles-on-avx2", cb_axpy_rows_avx512_on_avx2);
     } else {
         printf("SKIP avx512-tiles-on-avx2: this CPU lacks AVX2\n");
     }

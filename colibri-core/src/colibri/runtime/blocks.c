@@ -338,58 +338,55 @@ static void prefetch_chunk(const float *at, size_t kv_dim, size_t span, int t0, 
 #endif
 }
 
-/* One task: query rows [r0, r1) x KV heads [g0, g1) (with every query head reading them). Causal: row i sees the
- * positions t <= pos0 + i, so position t is used by rows [max(r0, t - pos0), r1). */
+/* One pass of a task over positions [0, end), a chunk at a time with the next one prefetched: the scores (each
+ * (row, head) query against the chunk's keys) or, `values` set, the value sums (each (row, head) output plus its
+ * probabilities times the chunk's values, in order of position). Causal: row i sees the positions t <= pos0 + i, so
+ * the chunk [t0, t1) is used by the rows from max(r0, t0 - pos0), each up to min(t1, pos0 + i + 1). */
+static void attend_pass(const attend_job *j, int r0, int r1, int h0, int h1, int values) {
+    const cb_kv *kv = j->kv;
+    int hd = j->s->head_dim, group = j->s->n_heads / j->s->n_kv_heads, pos0 = j->pos0, end = pos0 + r1;
+    size_t q_width = (size_t)j->s->n_heads * (size_t)hd, ctx_len = (size_t)kv->ctx, kv_dim = (size_t)kv->kv_dim;
+    size_t row_scores = (size_t)j->s->n_heads * ctx_len, span = (size_t)(h1 - h0) / (size_t)group * (size_t)hd;
+    const float *rows = (values ? cb_kv_v(kv, j->layer, 0) : cb_kv_k(kv, j->layer, 0)) + (size_t)(h0 / group) * hd;
+    prefetch_chunk(rows, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
+    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
+        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
+        prefetch_chunk(rows, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
+        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
+            int seen = (pos0 + i + 1 < t1 ? pos0 + i + 1 : t1) - t0;
+            for (int h = h0; h < h1; h++) {
+                float *sc = j->scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0;
+                size_t at = (size_t)i * q_width + (size_t)h * (size_t)hd;
+                const float *chunk = rows + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd;
+                if (values) cb_axpy_rows(j->out + at, sc, 1, chunk, kv_dim, seen, (size_t)hd);
+                else cb_dots(sc, 1, j->q + at, chunk, kv_dim, seen, hd);
+            }
+        }
+    }
+}
+
+/* One task: query rows [r0, r1) x KV heads [g0, g1), with every query head reading them. */
 static void attend_block(void *ctx, int task) {
     const attend_job *j = ctx;
     const cb_attn_shape *s = j->s;
-    const cb_kv *kv = j->kv;
-    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads, pos0 = j->pos0;
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads;
     int r0 = (task % j->row_blocks) * j->row_block, g0 = (task / j->row_blocks) * j->kv_block;
     int r1 = r0 + j->row_block < j->n ? r0 + j->row_block : j->n;
     int g1 = g0 + j->kv_block < s->n_kv_heads ? g0 + j->kv_block : s->n_kv_heads;
-    int h0 = g0 * group, h1 = g1 * group, end = pos0 + r1;
-    size_t q_width = (size_t)s->n_heads * (size_t)hd, ctx_len = (size_t)kv->ctx, kv_dim = (size_t)kv->kv_dim;
-    size_t row_scores = (size_t)s->n_heads * ctx_len, span = (size_t)(g1 - g0) * (size_t)hd;
-    const float *K = cb_kv_k(kv, j->layer, 0) + (size_t)g0 * (size_t)hd;
-    const float *V = cb_kv_v(kv, j->layer, 0) + (size_t)g0 * (size_t)hd;
-    float *scores = j->scores, *out = j->out;
-
-    prefetch_chunk(K, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
-    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
-        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
-        prefetch_chunk(K, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
-        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
-            int seen = pos0 + i + 1 < t1 ? pos0 + i + 1 : t1;
-            for (int h = h0; h < h1; h++)
-                cb_dots(scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0, 1,
-                        j->q + (size_t)i * q_width + (size_t)h * (size_t)hd,
-                        K + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd, kv_dim, seen - t0,
-                        hd);
-        }
-    }
-    prefetch_chunk(V, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
+    int h0 = g0 * group, h1 = g1 * group;
+    size_t q_width = (size_t)s->n_heads * (size_t)hd, ctx_len = (size_t)j->kv->ctx;
+    attend_pass(j, r0, r1, h0, h1, 0);
     for (int i = r0; i < r1; i++) {
-        int len = pos0 + i + 1;
+        int len = j->pos0 + i + 1;
         for (int h = h0; h < h1; h++) {
-            float *sc = scores + (size_t)i * row_scores + (size_t)h * ctx_len;
+            float *sc = j->scores + ((size_t)i * (size_t)s->n_heads + (size_t)h) * ctx_len;
             for (int t = 0; t < len; t++) sc[t] *= s->scale;
             cb_softmax(sc, len);
         }
-        memset(out + (size_t)i * q_width + (size_t)h0 * (size_t)hd, 0, (size_t)(h1 - h0) * (size_t)hd * sizeof *out);
+        memset(j->out + (size_t)i * q_width + (size_t)h0 * (size_t)hd, 0,
+               (size_t)(h1 - h0) * (size_t)hd * sizeof *j->out);
     }
-    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
-        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
-        prefetch_chunk(V, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
-        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
-            int seen = pos0 + i + 1 < t1 ? pos0 + i + 1 : t1;
-            for (int h = h0; h < h1; h++)
-                cb_axpy_rows(out + (size_t)i * q_width + (size_t)h * (size_t)hd,
-                             scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0, 1,
-                             V + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd, kv_dim,
-                             seen - t0, (size_t)hd);
-        }
-    }
+    attend_pass(j, r0, r1, h0, h1, 1);
 }
 
 void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,

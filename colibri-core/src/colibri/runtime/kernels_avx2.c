@@ -25,28 +25,4 @@ CB_TARGET void cb_axpy_avx2(float *y, float a, const float *x, size_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* Each 32-float block of y stays in four registers while the m rows pass; per element the steps are cb_axpy's. */
-CB_TARGET void cb_axpy_rows_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
-                                 size_t n) {
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256 y0 = _mm256_loadu_ps(y + i), y1 = _mm256_loadu_ps(y + i + 8);
-        __m256 y2 = _mm256_loadu_ps(y + i + 16), y3 = _mm256_loadu_ps(y + i + 24);
-        for (int t = 0; t < m; t++) {
-            __m256 va = _mm256_set1_ps(a[(size_t)t * lda]);
-            const float *x = X + (size_t)t * ldx + i;
-            y0 = _mm256_add_ps(y0, _mm256_mul_ps(va, _mm256_loadu_ps(x)));
-            y1 = _mm256_add_ps(y1, _mm256_mul_ps(va, _mm256_loadu_ps(x + 8)));
-            y2 = _mm256_add_ps(y2, _mm256_mul_ps(va, _mm256_loadu_ps(x + 16)));
-            y3 = _mm256_add_ps(y3, _mm256_mul_ps(va, _mm256_loadu_ps(x + 24)));
-        }
-        _mm256_storeu_ps(y + i, y0);
-        _mm256_storeu_ps(y + i + 8, y1);
-        _mm256_storeu_ps(y + i + 16, y2);
-        _mm256_storeu_ps(y + i + 24, y3);
-    }
-    if (i < n)
-        for (int t = 0; t < m; t++) cb_axpy_avx2(y + i, a[(size_t)t * lda], X + (size_t)t * ldx + i, n - i);
-}
-
 #endif

@@ -36,6 +36,9 @@ static inline __attribute__((always_inline)) CB_TARGET V16 v16_load_f16(const ui
 static inline __attribute__((always_inline)) CB_TARGET V16 v16_fma(V16 w, V16 x, V16 acc) {
     return _mm512_fmadd_ps(w, x, acc);
 }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_set1(float a) { return _mm512_set1_ps(a); }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 static inline __attribute__((always_inline)) CB_TARGET void v16_store(float *p, V16 v) { _mm512_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     __m256 lo = _mm512_castps512_ps256(v);
@@ -53,30 +56,6 @@ CB_TARGET void cb_axpy_avx512(float *y, float a, const float *x, size_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* As cb_axpy_rows_avx2, 64 floats of y in four registers. */
-CB_TARGET void cb_axpy_rows_avx512(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
-                                   size_t n) {
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m512 y0 = _mm512_loadu_ps(y + i), y1 = _mm512_loadu_ps(y + i + 16);
-        __m512 y2 = _mm512_loadu_ps(y + i + 32), y3 = _mm512_loadu_ps(y + i + 48);
-        for (int t = 0; t < m; t++) {
-            __m512 va = _mm512_set1_ps(a[(size_t)t * lda]);
-            const float *x = X + (size_t)t * ldx + i;
-            y0 = _mm512_add_ps(y0, _mm512_mul_ps(va, _mm512_loadu_ps(x)));
-            y1 = _mm512_add_ps(y1, _mm512_mul_ps(va, _mm512_loadu_ps(x + 16)));
-            y2 = _mm512_add_ps(y2, _mm512_mul_ps(va, _mm512_loadu_ps(x + 32)));
-            y3 = _mm512_add_ps(y3, _mm512_mul_ps(va, _mm512_loadu_ps(x + 48)));
-        }
-        _mm512_storeu_ps(y + i, y0);
-        _mm512_storeu_ps(y + i + 16, y1);
-        _mm512_storeu_ps(y + i + 32, y2);
-        _mm512_storeu_ps(y + i + 48, y3);
-    }
-    if (i < n)
-        for (int t = 0; t < m; t++) cb_axpy_avx512(y + i, a[(size_t)t * lda], X + (size_t)t * ldx + i, n - i);
-}
-
 #else /* CB_AVX512_ON_AVX2 */
 
 #define CB_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -87,6 +66,8 @@ CB_TARGET void cb_axpy_rows_avx512(float *y, const float *a, size_t lda, const f
 void cb_rows_avx512_on_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n,
                             int r0, int r1, int cols);
 void cb_convert_avx512_on_avx2(float *out, const void *in, cb_dtype dt, size_t n);
+void cb_axpy_rows_avx512_on_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
+                                 size_t n);
 
 #endif /* CB_AVX512_ON_AVX2 */
 
