@@ -19,6 +19,8 @@
 void cb_rows_avx512_on_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n,
                             int r0, int r1, int cols);
 void cb_convert_avx512_on_avx2(float *out, const void *in, cb_dtype dt, size_t n);
+void cb_axpy_rows_avx512_on_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
+                                 size_t n);
 #endif
 
 static int passed, failed;
@@ -185,6 +187,34 @@ static void test_axpy_paths(const char *label, cb_axpy_fn axpy) {
     free(got);
 }
 
+/* cb_axpy_rows: m axpy steps per element in order of t, y kept in registers across them: the scalar steps' bits at
+ * lengths around the register blocks, with strided coefficients and rows and the fused-multiply-add trap above. */
+static void test_axpy_rows_paths(const char *label, cb_axpy_rows_fn axpy_rows) {
+    static const size_t lengths[] = {0, 1, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 130};
+    static const int steps[] = {0, 1, 2, 5, 16};
+    enum { LDA = 3, MAX_N = 130, LDX = MAX_N + 5 };
+    seed(92);
+    float *X = random_vector((size_t)16 * LDX), *a = random_vector((size_t)16 * LDA), *y0 = random_vector(MAX_N);
+    float want[MAX_N], got[MAX_N];
+    y0[5] = 1.0f;
+    X[5] = 1.0f + 0x1p-23f;
+    a[0] = 1.0f + 0x1p-23f;
+    a[LDA] = -0.0f;
+    for (size_t k = 0; k < sizeof lengths / sizeof lengths[0]; k++)
+        for (size_t m = 0; m < sizeof steps / sizeof steps[0]; m++) {
+            size_t n = lengths[k];
+            memcpy(want, y0, sizeof want);
+            memcpy(got, y0, sizeof got);
+            cb_axpy_rows_scalar(want, a, LDA, X, LDX, steps[m], n);
+            axpy_rows(got, a, LDA, X, LDX, steps[m], n);
+            check(memcmp(got, want, sizeof got) == 0, "%s axpy_rows n=%zu m=%d: differs from scalar", label, n,
+                  steps[m]);
+        }
+    free(X);
+    free(a);
+    free(y0);
+}
+
 /* Round to nearest, ties to even, from the definition: pick the closer of the two neighbouring bf16 values. */
 static uint16_t bf16_reference(float f) {
     if (isnan(f)) return 0x7fc0;
@@ -333,6 +363,31 @@ static void test_rows_fn_matches_scalar(const char *label, cb_rows_fn rows_fn) {
             }
         }
     }
+}
+
+/* cb_dots (one f32 row against inputs at strides, as attention reads one KV head against many query rows or heads)
+ * gives cb_dot's scalar bits for every input, at lengths around the vector widths and input counts around the
+ * tile shapes; the outputs between its strided slots stay untouched. */
+static void test_dots_match_scalar(cb_isa isa) {
+    static const int lengths[] = {0, 1, 15, 16, 17, 31, 64, 100, 128};
+    static const int counts[] = {1, 2, 3, 4, 5, 9};
+    cb_set_isa(isa);
+    for (size_t l = 0; l < sizeof lengths / sizeof lengths[0]; l++)
+        for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+            int cols = lengths[l], n = counts[k];
+            size_t ldx = (size_t)cols + 3, ldy = 5;
+            seed((uint64_t)(cols * 31 + n));
+            float *w = random_vector((size_t)cols), *X = random_vector((size_t)n * ldx);
+            float want[9 * 5], got[9 * 5];
+            for (size_t i = 0; i < sizeof got / sizeof got[0]; i++) want[i] = got[i] = (float)i;
+            for (int j = 0; j < n; j++)
+                cb_rows_scalar(want + (size_t)j * ldy, 1, w, CB_F32, X + (size_t)j * ldx, 0, 1, 0, 1, cols);
+            cb_dots(got, ldy, w, X, ldx, n, cols);
+            check(memcmp(got, want, sizeof got) == 0, "%s cb_dots n=%d cols=%d differ from scalar", cb_isa_name(isa),
+                  n, cols);
+            free(w);
+            free(X);
+        }
 }
 
 static void test_matmul_matches_matvec(cb_isa isa) {
@@ -668,6 +723,7 @@ int main(void) {
     test_rope();
 
     test_matmul_matches_matvec(CB_ISA_SCALAR);
+    test_dots_match_scalar(CB_ISA_SCALAR);
     for (int i = CB_ISA_AVX2; i <= CB_ISA_AVX512; i++) {
         cb_isa isa = (cb_isa)i;
         if (!isa_available(isa)) {
@@ -679,8 +735,10 @@ int main(void) {
         cb_set_isa(isa);
         test_convert_paths(cb_isa_name(isa), cb_current_convert());
         test_axpy_paths(cb_isa_name(isa), cb_current_axpy());
+        test_axpy_rows_paths(cb_isa_name(isa), cb_current_axpy_rows());
         test_rows_fn_matches_scalar(cb_isa_name(isa), cb_current_rows());
         test_matmul_matches_matvec(isa);
+        test_dots_match_scalar(isa);
         test_thread_counts(isa);
     }
     test_thread_counts(CB_ISA_SCALAR);
@@ -688,6 +746,7 @@ int main(void) {
     if (isa_available(CB_ISA_AVX2)) {
         test_convert_paths("avx512-tiles-on-avx2", cb_convert_avx512_on_avx2);
         test_rows_fn_matches_scalar("avx512-tiles-on-avx2", cb_rows_avx512_on_avx2);
+        test_axpy_rows_paths("avx512-tiles-on-avx2", cb_axpy_rows_avx512_on_avx2);
     } else {
         printf("SKIP avx512-tiles-on-avx2: this CPU lacks AVX2\n");
     }

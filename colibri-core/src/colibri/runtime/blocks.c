@@ -302,38 +302,106 @@ void cb_kv_store(cb_kv *kv, int layer, int pos0, int n, const float *k, const fl
     }
 }
 
+/* Attention is memory-bound, not arithmetic-bound: one position's K (or V) row holds every KV head, kv_dim floats
+ * in a row, and the next position's row of the same head is kv_dim floats further (8 KB at OLMoE's geometry, a new
+ * page each time, which the hardware prefetcher does not follow). So a task is a block of query rows x a block of
+ * KV heads that walks the positions once in chunks: the next chunk's slice of those heads is prefetched while this
+ * one, already in cache, serves every (row, head) of the block; then the same over V. A score is one cb_dots call
+ * per (row, head, chunk) with the query as the row and the chunk's keys as the inputs: fmaf(k, q, acc) and
+ * fmaf(q, k, acc) are the same number, so each (row, head, position) score is cb_dot's bits, and each out[d] still
+ * sums p_t * v_t[d] over t in order (cb_axpy_rows: cb_axpy's steps, a chunk of positions per call). Neither the
+ * blocking nor the split across threads changes a bit. */
+
+/* Query rows per task: each K/V chunk loaded is used by this many rows of a prefill. */
+#define ATTEND_ROW_BLOCK 32
+/* Prefill tasks per thread, as cb_matmul: enough to even out causal row blocks of unequal length. */
+#define ATTEND_TASKS_PER_THREAD 4
+/* Positions per chunk: a chunk of every head (16 x 8 KB at OLMoE's geometry) stays well inside L2. */
+#define ATTEND_CHUNK 16
+
 typedef struct {
     float *out, *scores;
     const float *q;
     const cb_kv *kv;
     const cb_attn_shape *s;
-    int layer, pos0;
+    int layer, pos0, n;
+    int row_block, row_blocks, kv_block;
 } attend_job;
 
-/* One (row, head) pair: independent of every other, so the split across threads cannot change a bit. */
-static void attend_one(void *ctx, int task) {
+/* Positions [t0, t1) of one head slice (span floats at each position's row of kv_dim). */
+static void prefetch_chunk(const float *at, size_t kv_dim, size_t span, int t0, int t1) {
+#if defined(__GNUC__) || defined(__clang__)
+    for (int t = t0; t < t1; t++)
+        for (size_t i = 0; i < span; i += 64 / sizeof(float)) __builtin_prefetch(at + (size_t)t * kv_dim + i);
+#else
+    (void)at, (void)kv_dim, (void)span, (void)t0, (void)t1;
+#endif
+}
+
+/* One pass of a task over positions [0, end), a chunk at a time with the next one prefetched: the scores (each
+ * (row, head) query against the chunk's keys) or, `values` set, the value sums (each (row, head) output plus its
+ * probabilities times the chunk's values, in order of position). Causal: row i sees the positions t <= pos0 + i, so
+ * the chunk [t0, t1) is used by the rows from max(r0, t0 - pos0), each up to min(t1, pos0 + i + 1). */
+static void attend_pass(const attend_job *j, int r0, int r1, int h0, int h1, int values) {
+    const cb_kv *kv = j->kv;
+    int hd = j->s->head_dim, group = j->s->n_heads / j->s->n_kv_heads, pos0 = j->pos0, end = pos0 + r1;
+    size_t q_width = (size_t)j->s->n_heads * (size_t)hd, ctx_len = (size_t)kv->ctx, kv_dim = (size_t)kv->kv_dim;
+    size_t row_scores = (size_t)j->s->n_heads * ctx_len, span = (size_t)(h1 - h0) / (size_t)group * (size_t)hd;
+    const float *rows = (values ? cb_kv_v(kv, j->layer, 0) : cb_kv_k(kv, j->layer, 0)) + (size_t)(h0 / group) * hd;
+    prefetch_chunk(rows, kv_dim, span, 0, end < ATTEND_CHUNK ? end : ATTEND_CHUNK);
+    for (int t0 = 0; t0 < end; t0 += ATTEND_CHUNK) {
+        int t1 = t0 + ATTEND_CHUNK < end ? t0 + ATTEND_CHUNK : end;
+        prefetch_chunk(rows, kv_dim, span, t1, t1 + ATTEND_CHUNK < end ? t1 + ATTEND_CHUNK : end);
+        for (int i = t0 - pos0 > r0 ? t0 - pos0 : r0; i < r1; i++) {
+            int seen = (pos0 + i + 1 < t1 ? pos0 + i + 1 : t1) - t0;
+            for (int h = h0; h < h1; h++) {
+                float *sc = j->scores + (size_t)i * row_scores + (size_t)h * ctx_len + (size_t)t0;
+                size_t at = (size_t)i * q_width + (size_t)h * (size_t)hd;
+                const float *chunk = rows + (size_t)t0 * kv_dim + (size_t)(h - h0) / (size_t)group * (size_t)hd;
+                if (values) cb_axpy_rows(j->out + at, sc, 1, chunk, kv_dim, seen, (size_t)hd);
+                else cb_dots(sc, 1, j->q + at, chunk, kv_dim, seen, hd);
+            }
+        }
+    }
+}
+
+/* One task: query rows [r0, r1) x KV heads [g0, g1), with every query head reading them. */
+static void attend_block(void *ctx, int task) {
     const attend_job *j = ctx;
     const cb_attn_shape *s = j->s;
-    int row = task / s->n_heads, h = task % s->n_heads, hd = s->head_dim;
-    int kvh = h / (s->n_heads / s->n_kv_heads), pos = j->pos0 + row;
-    size_t q_width = (size_t)s->n_heads * (size_t)hd;
-    const float *q = j->q + (size_t)row * q_width + (size_t)h * (size_t)hd;
-    float *out = j->out + (size_t)row * q_width + (size_t)h * (size_t)hd;
-    float *sc = j->scores + (size_t)task * (size_t)j->kv->ctx;
-    for (int t = 0; t <= pos; t++)
-        sc[t] = cb_dot(cb_kv_k(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd, CB_F32, q, hd) * s->scale;
-    cb_softmax(sc, pos + 1);
-    memset(out, 0, (size_t)hd * sizeof(float));
-    /* Each out[d] sums p_t * v_t[d] over t in order; the SIMD axpy does the same per lane (bit for bit). */
-    for (int t = 0; t <= pos; t++)
-        cb_axpy(out, sc[t], cb_kv_v(j->kv, j->layer, t) + (size_t)kvh * (size_t)hd, (size_t)hd);
+    int hd = s->head_dim, group = s->n_heads / s->n_kv_heads;
+    int r0 = (task % j->row_blocks) * j->row_block, g0 = (task / j->row_blocks) * j->kv_block;
+    int r1 = r0 + j->row_block < j->n ? r0 + j->row_block : j->n;
+    int g1 = g0 + j->kv_block < s->n_kv_heads ? g0 + j->kv_block : s->n_kv_heads;
+    int h0 = g0 * group, h1 = g1 * group;
+    size_t q_width = (size_t)s->n_heads * (size_t)hd, ctx_len = (size_t)j->kv->ctx;
+    attend_pass(j, r0, r1, h0, h1, 0);
+    for (int i = r0; i < r1; i++) {
+        int len = j->pos0 + i + 1;
+        for (int h = h0; h < h1; h++) {
+            float *sc = j->scores + ((size_t)i * (size_t)s->n_heads + (size_t)h) * ctx_len;
+            for (int t = 0; t < len; t++) sc[t] *= s->scale;
+            cb_softmax(sc, len);
+        }
+        memset(j->out + (size_t)i * q_width + (size_t)h0 * (size_t)hd, 0,
+               (size_t)(h1 - h0) * (size_t)hd * sizeof *j->out);
+    }
+    attend_pass(j, r0, r1, h0, h1, 1);
 }
 
 void cb_attend(float *out, const float *q, const cb_kv *kv, int layer, int pos0, int n, const cb_attn_shape *s,
                float *scores) {
-    attend_job j = {out, scores, q, kv, s, layer, pos0};
+    if (n <= 0) return;
     double t0 = cb_now_s();
-    cb_parallel_for(n * s->n_heads, attend_one, &j);
+    attend_job j = {out, scores, q, kv, s, layer, pos0, n, n < ATTEND_ROW_BLOCK ? n : ATTEND_ROW_BLOCK, 0, 0};
+    j.row_blocks = (n + j.row_block - 1) / j.row_block;
+    /* One row (decode): one KV-head block per thread, so each reads the widest contiguous slice per position. */
+    int wanted = cb_threads_count() * (j.row_blocks > 1 ? ATTEND_TASKS_PER_THREAD : 1);
+    int kv_splits = (wanted + j.row_blocks - 1) / j.row_blocks;
+    if (kv_splits > s->n_kv_heads) kv_splits = s->n_kv_heads;
+    j.kv_block = (s->n_kv_heads + kv_splits - 1) / kv_splits;
+    int kv_blocks = (s->n_kv_heads + j.kv_block - 1) / j.kv_block;
+    cb_parallel_for(j.row_blocks * kv_blocks, attend_block, &j);
     cb_prof.attention_s += cb_now_s() - t0;
 }
 

@@ -116,6 +116,20 @@ cb_axpy_fn cb_current_axpy(void) {
 
 void cb_axpy(float *y, float a, const float *x, size_t n) { cb_current_axpy()(y, a, x, n); }
 
+cb_axpy_rows_fn cb_current_axpy_rows(void) {
+    switch (cb_get_isa()) {
+#if CB_HAVE_X86_KERNELS
+    case CB_ISA_AVX512: return cb_axpy_rows_avx512;
+    case CB_ISA_AVX2: return cb_axpy_rows_avx2;
+#endif
+    default: return cb_axpy_rows_scalar;
+    }
+}
+
+void cb_axpy_rows(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n) {
+    if (m > 0) cb_current_axpy_rows()(y, a, lda, X, ldx, m, n);
+}
+
 /* ---- matvec / matmul ------------------------------------------------------------------------------------------ */
 
 /* Below this many multiply-adds, waking the pool costs more than it saves. */
@@ -178,6 +192,10 @@ float cb_dot(const void *w_row, cb_dtype dt, const float *x, int cols) {
     float y = 0.0f;
     cb_current_rows()(&y, 1, w_row, dt, x, 0, 1, 0, 1, cols < 0 ? 0 : cols);
     return y;
+}
+
+void cb_dots(float *Y, size_t ldy, const float *w, const float *X, size_t ldx, int n, int cols) {
+    if (n > 0) cb_current_rows()(Y, ldy, w, CB_F32, X, ldx, n, 0, 1, cols < 0 ? 0 : cols);
 }
 
 void cb_convert_to_f32(float *out, const void *in, cb_dtype dt, size_t n) { cb_current_convert()(out, in, dt, n); }

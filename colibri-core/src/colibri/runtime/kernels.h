@@ -53,6 +53,10 @@ void cb_convert_to_f32(float *out, const void *in, cb_dtype dt, size_t n);
 
 /* Dot product of x (f32) with one weight row of dtype dt, in the fixed lane order above. */
 float cb_dot(const void *w_row, cb_dtype dt, const float *x, int cols);
+/* Y[j * ldy] = cb_dot(w, CB_F32, X + j * ldx, cols) for j < n, bit for bit, on the calling thread: one f32 row
+ * (say one KV head's key at one position) against n inputs at any strides (the query rows or heads that read it),
+ * loaded once for all of them. */
+void cb_dots(float *Y, size_t ldy, const float *w, const float *X, size_t ldx, int n, int cols);
 /* y[r] = dot(W[r,:], x) for r < rows; W row-major, `cols` elements per row. Parallel over rows once
  * rows * cols >= 32768. y must not alias W or x. */
 void cb_matvec(float *y, const void *W, cb_dtype dt, const float *x, int rows, int cols);
@@ -63,6 +67,9 @@ void cb_matmul(float *Y, const void *W, cb_dtype dt, const float *X, int n, int 
 void cb_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
 void cb_softmax(float *x, int n);
 void cb_axpy(float *y, float a, const float *x, size_t n);   /* y[i] += a * x[i], the scalar expression's bits */
+/* y[i] += a[t * lda] * X[t * ldx + i] for t = 0 .. m-1 in order: the bits of m cb_axpy calls, with y held in
+ * registers across them (attention's value sum over a chunk of positions). */
+void cb_axpy_rows(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 void cb_silu_mul(float *gate, const float *up, int n);    /* gate[i] = silu(gate[i]) * up[i] */
 /* RoPE on n_heads heads of head_dim, rotating the first rot_dim dims of each head at position pos.
  * neox: pairs (i, i + rot_dim/2); interleaved: pairs (2i, 2i+1). inv_freq has rot_dim/2 entries. */

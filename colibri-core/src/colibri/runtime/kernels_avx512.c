@@ -36,6 +36,9 @@ static inline __attribute__((always_inline)) CB_TARGET V16 v16_load_f16(const ui
 static inline __attribute__((always_inline)) CB_TARGET V16 v16_fma(V16 w, V16 x, V16 acc) {
     return _mm512_fmadd_ps(w, x, acc);
 }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_set1(float a) { return _mm512_set1_ps(a); }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 static inline __attribute__((always_inline)) CB_TARGET void v16_store(float *p, V16 v) { _mm512_storeu_ps(p, v); }
 static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     __m256 lo = _mm512_castps512_ps256(v);
@@ -63,6 +66,8 @@ CB_TARGET void cb_axpy_avx512(float *y, float a, const float *x, size_t n) {
 void cb_rows_avx512_on_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n,
                             int r0, int r1, int cols);
 void cb_convert_avx512_on_avx2(float *out, const void *in, cb_dtype dt, size_t n);
+void cb_axpy_rows_avx512_on_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
+                                 size_t n);
 
 #endif /* CB_AVX512_ON_AVX2 */
 

@@ -22,21 +22,26 @@ typedef void (*cb_convert_fn)(float *out, const void *in, cb_dtype dt, size_t n)
 /* y[i] = y[i] + a * x[i]: a rounded product, then a rounded sum, lane by lane (no fused multiply-add), so every
  * ISA gives the scalar C expression's bits. */
 typedef void (*cb_axpy_fn)(float *y, float a, const float *x, size_t n);
+/* m of those in order of t: y[i] += a[t * lda] * X[t * ldx + i], each step rounded as above. */
+typedef void (*cb_axpy_rows_fn)(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 
 void cb_rows_scalar(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n, int r0,
                     int r1, int cols);
 void cb_convert_scalar(float *out, const void *in, cb_dtype dt, size_t n);
 void cb_axpy_scalar(float *y, float a, const float *x, size_t n);
+void cb_axpy_rows_scalar(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 
 #if CB_HAVE_X86_KERNELS
 void cb_rows_avx2(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n, int r0,
                   int r1, int cols);
 void cb_convert_avx2(float *out, const void *in, cb_dtype dt, size_t n);
 void cb_axpy_avx2(float *y, float a, const float *x, size_t n);
+void cb_axpy_rows_avx2(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 void cb_rows_avx512(float *Y, size_t ldy, const void *W, cb_dtype dt, const float *X, size_t ldx, int n, int r0,
                     int r1, int cols);
 void cb_convert_avx512(float *out, const void *in, cb_dtype dt, size_t n);
 void cb_axpy_avx512(float *y, float a, const float *x, size_t n);
+void cb_axpy_rows_avx512(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n);
 #endif
 
 /* The pairwise tree of kernels.h over 16 lanes: s8[i] = l[i] + l[i + 8], then s4, s2, s1. Every scalar reference
@@ -53,5 +58,6 @@ static inline float cb_lane16_reduce(const float lane[16]) {
 cb_rows_fn cb_current_rows(void);
 cb_convert_fn cb_current_convert(void);
 cb_axpy_fn cb_current_axpy(void);
+cb_axpy_rows_fn cb_current_axpy_rows(void);
 
 #endif

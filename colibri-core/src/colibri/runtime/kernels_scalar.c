@@ -89,6 +89,10 @@ void cb_axpy_scalar(float *y, float a, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+void cb_axpy_rows_scalar(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m, size_t n) {
+    for (int t = 0; t < m; t++) cb_axpy_scalar(y, a[(size_t)t * lda], X + (size_t)t * ldx, n);
+}
+
 void cb_convert_scalar(float *out, const void *in, cb_dtype dt, size_t n) {
     if (dt == CB_F32) {
         memcpy(out, in, n * sizeof(float));

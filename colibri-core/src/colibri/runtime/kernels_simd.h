@@ -12,7 +12,8 @@
  *   MV_ROWS                  rows per matvec tile (independent accumulators in flight)
  *   MM_ROWS, MM_INPUTS       rows x inputs per matmul tile (each weight vector is reused MM_INPUTS times)
  *   and the always-inline primitives v16_zero, v16_load_f32, v16_load_bf16, v16_load_f16, v16_fma (w*x + acc,
- *   fused), v16_store and v16_reduce (the tree s8[i]=l[i]+l[i+8], s4, s2, s1 of kernels.h).
+ *   fused), v16_set1 (broadcast), v16_add, v16_mul (each rounded), v16_store and v16_reduce (the tree
+ *   s8[i]=l[i]+l[i+8], s4, s2, s1 of kernels.h).
  */
 #ifndef CB_SUFFIX
 #error "kernels_simd.h is a template: define V16, CB_TARGET, CB_SUFFIX and the v16_* primitives first"
@@ -139,6 +140,34 @@ CB_TARGET void CB_NAME(cb_convert)(float *out, const void *in, cb_dtype dt, size
     size_t i = 0;
     for (; i + 16 <= n; i += 16) v16_store(out + i, load_weights(src + i * esize, dt, 0));
     for (; i < n; i++) out[i] = weight_scalar(src + i * esize, dt, 0);
+}
+
+/* cb_axpy's steps, m of them per element in order of t (a rounded product, then a rounded sum, never fused), with
+ * y held in registers across them: 64 floats at a time, then 16, then the scalar expression. */
+CB_TARGET void CB_NAME(cb_axpy_rows)(float *y, const float *a, size_t lda, const float *X, size_t ldx, int m,
+                                     size_t n) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        V16 acc[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) acc[k] = v16_load_f32(y + i + 16 * k);
+        for (int t = 0; t < m; t++) {
+            V16 va = v16_set1(a[(size_t)t * lda]);
+            const float *x = X + (size_t)t * ldx + i;
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) acc[k] = v16_add(acc[k], v16_mul(va, v16_load_f32(x + 16 * k)));
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) v16_store(y + i + 16 * k, acc[k]);
+    }
+    for (; i + 16 <= n; i += 16) {
+        V16 acc = v16_load_f32(y + i);
+        for (int t = 0; t < m; t++)
+            acc = v16_add(acc, v16_mul(v16_set1(a[(size_t)t * lda]), v16_load_f32(X + (size_t)t * ldx + i)));
+        v16_store(y + i, acc);
+    }
+    for (; i < n; i++)
+        for (int t = 0; t < m; t++) y[i] += a[(size_t)t * lda] * X[(size_t)t * ldx + i];
 }
 
 #undef CB_INLINE

@@ -36,6 +36,18 @@ static inline __attribute__((always_inline)) CB_TARGET V16 v16_fma(V16 w, V16 x,
     V16 v = {_mm256_fmadd_ps(w.lo, x.lo, acc.lo), _mm256_fmadd_ps(w.hi, x.hi, acc.hi)};
     return v;
 }
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_set1(float a) {
+    V16 v = {_mm256_set1_ps(a), _mm256_set1_ps(a)};
+    return v;
+}
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_add(V16 a, V16 b) {
+    V16 v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+    return v;
+}
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_mul(V16 a, V16 b) {
+    V16 v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+    return v;
+}
 static inline __attribute__((always_inline)) CB_TARGET void v16_store(float *p, V16 v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
