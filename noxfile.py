@@ -232,7 +232,7 @@ def bench_geometry(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry (slow, about an hour; never default): in RAM (int8 vs
     Q8_0, int4 vs Q4_0, 64- and 512-token prompts), under caps of a third of the container, 3, 5 and 6 GiB (cold and
-    warm), and 1/2/4 concurrent streams under the tight cap and under 5 GiB, engines alternated over 3 rounds,
+    warm), and 1/2/4 concurrent streams under the tight cap and in RAM, engines alternated over 3 rounds,
     medians of the quiet runs, every run's load recorded; the disk bound is `coli tune`'s at the engine's queue
     depth.
 

@@ -12,7 +12,7 @@ Stages, each cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/b
    memory child group under this process's own group, page cache dropped first. The same 64-token prompt, then
    32 teacher-forced decode steps (the protocol's ``forced`` field; greedy decode of a random model loops on two
    tokens and flatters any cache). llama.cpp runs with readahead at 128 KiB and at the disk's setting; the better
-   is the peer. (c) Concurrency under the tight cap and under 5 GiB: 1, 2 and 4 streams started together on one
+   is the peer. (c) Concurrency under the tight cap and in RAM: 1, 2 and 4 streams started together on one
    engine of 4 slots
    (colibri decodes them in one batched pass per token, each expert any stream chose read once per layer) against
    llama.cpp's parallel sequences (one ``llama_decode`` of one token per sequence, as llama-server's slots do),
@@ -68,10 +68,10 @@ CAPS = tuple(os.environ.get("COLIBRI_BENCH_CAPS", "third,3GiB,5GiB,6GiB").split(
 # The concurrency scenario's stream counts (COLIBRI_BENCH_STREAMS=1,4 measures fewer), and its caps: the tight one,
 # where the disk is the bottleneck and streams can only share what their experts have in common (64 experts top-8:
 # four streams' union is ~26 experts a layer against one stream's 8, so the reads per token fall by at most 1.2x),
-# 5 GiB, where most experts are cached but four streams' working sets compete for the slots, and "ram" (no cap, page
-# cache warm), where batching can only share the compute's weight traffic.
+# and "ram" (no cap, page cache warm), where batching can only share the compute's weight traffic
+# (COLIBRI_BENCH_STREAM_CAPS=5GiB adds a cap where most experts are cached but the streams' working sets compete).
 STREAMS = tuple(int(n) for n in os.environ.get("COLIBRI_BENCH_STREAMS", "1,2,4").split(","))
-STREAM_CAPS = tuple(os.environ.get("COLIBRI_BENCH_STREAM_CAPS", "third,5GiB,ram").split(","))
+STREAM_CAPS = tuple(os.environ.get("COLIBRI_BENCH_STREAM_CAPS", "third,ram").split(","))
 MERGE = os.environ.get("COLIBRI_BENCH_MERGE") == "1"
 # Every scenario runs this many rounds, the engines alternating (each round starts with the other one), and the
 # report takes medians over the quiet runs: one 32-token run on a shared virtual machine can be 15% off either way.
