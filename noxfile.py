@@ -229,6 +229,15 @@ def bench_geometry(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_lookahead(session: nox.Session) -> None:
+    """Router lookahead on and off under caps of a third, 3, 5 and 6 GiB, colibri alone on the int8 container of
+    `nox -s bench` (built if missing): decode speed, I/O wait and wrong guesses per token, medians of the quiet runs
+    (about 5 minutes once the container exists; root for the cgroup cap and drop_caches)."""
+    install_everything(session)
+    session.run("python", str(ROOT / "engines" / "bench" / "lookahead_bench.py"), *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """colibri vs llama.cpp at the real OLMoE-1B-7B geometry (slow, about an hour; never default): in RAM (int8 vs
     Q8_0, int4 vs Q4_0, 64- and 512-token prompts), under caps of a third of the container, 3, 5 and 6 GiB (cold and

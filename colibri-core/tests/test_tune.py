@@ -91,8 +91,10 @@ def test_io_threads_are_the_shallowest_depth_near_the_fastest():
 
 def test_lookahead_and_prefill_chunk_follow_the_measured_ratio():
     disk = points({1: 1e9, 2: 1e9, 4: 1e9, 8: 1e9})        # 6 MiB read: about 6.3 ms
-    assert not tune.choose(disk, 6 * MB, 1e-3, 3e-3, 64, 8).lookahead      # compute 1 ms < 0.25 x read
-    assert tune.choose(disk, 6 * MB, 2e-3, 3e-3, 64, 8).lookahead          # 2 ms >= 0.25 x read
+    # a layer's routed compute (top-k experts) against a quarter of one read (about 1.6 ms)
+    assert not tune.choose(disk, 6 * MB, 1.5e-4, 3e-3, 64, 8).lookahead    # 8 x 0.15 ms = 1.2 ms
+    assert tune.choose(disk, 6 * MB, 1.5e-4, 3e-3, 64, 16).lookahead       # 16 x 0.15 ms = 2.4 ms
+    assert tune.choose(disk, 6 * MB, 3e-4, 3e-3, 64, 8).lookahead          # 8 x 0.3 ms = 2.4 ms
     chunks = [tune.choose(points({1: bw, 2: bw}), 6 * MB, 1e-3, 32e-3, 64, 8).prefill_chunk
               for bw in (50e9, 5e9, 1e9, 0.2e9, 0.01e9)]
     assert chunks == sorted(chunks) and chunks[0] == tune.CHUNK_MIN and chunks[-1] == tune.CHUNK_MAX
@@ -158,11 +160,14 @@ def test_staging_buffers_from_the_profile_stay_inside_the_plan():
 
     profile = synthetic_profile(Path("."), staging_buffers=8, lookahead=True)
     # the profile's 8 buffers, plus one per routed expert of the next layer with lookahead (top-k 8)
-    tuned = launch.tuned_streaming(profile, launch.Streaming(), top_k=8, partial=True)
+    tuned = launch.tuned_streaming(profile, launch.Streaming(), top_k=8, cache_share=0.25)
     assert tuned.streaming.lookahead and tuned.staging_buffers == 16 and tuned.io_threads == profile.choices.io_threads
-    plain = launch.tuned_streaming(profile, launch.Streaming(lookahead=False), top_k=2, partial=True)
+    plain = launch.tuned_streaming(profile, launch.Streaming(lookahead=False), top_k=2, cache_share=0.25)
     assert plain.staging_buffers == 8 and not plain.streaming.lookahead
-    assert launch.tuned_streaming(None, launch.Streaming(), 8, True).staging_buffers is None
+    # lookahead only while the cache holds at most half of a layer (where it was measured to pay), never resident
+    for share, on in ((0.5, True), (0.75, False), (1.0, False)):
+        assert launch.tuned_streaming(profile, launch.Streaming(), 8, share).streaming.lookahead is (on or None)
+    assert launch.tuned_streaming(None, launch.Streaming(), 8, 0.25).staging_buffers is None
     expert, layers = 1 << 20, 16
     plan = ResourcePlan(ram_bytes=1000 + 14 * layers * expert + 40 * (expert + STAGING_SLACK_BYTES), dense_bytes=1000,
                         kv_bytes=0, state_bytes=0, reserve_bytes=0, expert_bytes=expert, experts_per_layer=64,

@@ -523,9 +523,10 @@ def workload(vocab: int, locality: bool, seed: int = 1234,
 # LRU cache, "hotset" the hot set alone, and the others take one piece away or add router lookahead, so each piece's
 # share shows.
 POLICIES = {"auto": {}, "lru": {"prefetch": False, "pin": False}, "hotset": {"prefetch": False, "pin": True},
-            "prefetch": {"pin": False}, "lookahead": {"lookahead": True}}
+            "prefetch": {"pin": False}, "lookahead": {"lookahead": True}, "no-lookahead": {"lookahead": False}}
 POLICY_LABELS = {"lru": "LRU", "hotset": "hot set", "prefetch": "LRU + prefetch",
-                 "auto": "duel + prefetch (default)", "lookahead": "default + lookahead"}
+                 "auto": "duel + prefetch (default)", "lookahead": "default + lookahead",
+                 "no-lookahead": "default, lookahead off"}
 
 
 def context_for(prompt_tokens: int) -> int:

@@ -295,6 +295,29 @@ static void test_experts(void) {
         CHECK(!memcmp(&plain, &L.count, sizeof plain), "counters with prefetch: %llu/%llu %llu/%llu %llu/%llu %llu/%llu", (unsigned long long)plain.hits, (unsigned long long)L.count.hits, (unsigned long long)plain.misses, (unsigned long long)L.count.misses, (unsigned long long)plain.reads, (unsigned long long)L.count.reads, (unsigned long long)plain.bytes_read, (unsigned long long)L.count.bytes_read);
         cb_experts_prefetch(&L, 1);      /* left unconsumed: free must wait for it */
         cb_experts_free(&L);
+        /* Lookahead's guesses, the unchosen ones dropped (whether an I/O thread took them first or not): the
+         * chosen guess and the dropped ones read the same bytes and count as the plain accesses do. */
+        CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+        uint64_t issued = cb_prof.prefetch_issued, used = cb_prof.prefetch_used, dropped = cb_prof.prefetch_dropped;
+        for (int e = 0; e < 4; e++) cb_experts_predict(&L, e);
+        int wanted[NEXP] = {0};
+        wanted[2] = 1;
+        CHECK(cb_experts_prefetch(&L, 2) == 1, "a guess the router chose is already staged");
+        cb_experts_drop_guesses(&L, wanted);
+        uint64_t issued_now = cb_prof.prefetch_issued - issued, dropped_now = cb_prof.prefetch_dropped - dropped;
+        CHECK(issued_now == 4 && dropped_now <= 3, "4 guesses issued, at most the 3 unchosen dropped: %llu %llu",
+              (unsigned long long)issued_now, (unsigned long long)dropped_now);
+        int seq[] = {2, 0, 3};
+        for (int k = 0; k < 3; k++) {
+            CHECK(cb_experts_get(&L, seq[k], &v, err, sizeof err) == 0, "%s", err);
+            for (int m = 0; m < 3; m++)
+                for (int i = 0; i < HID * INTER; i++)
+                    CHECK(((const float *)v.m[m].f.w)[i] == expert_value(seq[k], m, i), "guessed expert %d", seq[k]);
+        }
+        CHECK(L.count.misses == 3 && L.count.hits == 0 && L.count.bytes_read == 3 * expert_bytes,
+              "counters after guesses: %llu misses", (unsigned long long)L.count.misses);
+        CHECK(cb_prof.prefetch_used - used >= 1, "the chosen guess was used");
+        cb_experts_free(&L);
         /* The hot set evicts the coldest expert, not the least recent: after 0, 0, 0, 1 the cap-2 cache keeps the
          * thrice-routed 0 when 2 arrives, where LRU drops it (and misses it again next). */
         for (int hot = 0; hot < 2; hot++) {

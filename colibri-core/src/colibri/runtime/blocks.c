@@ -581,8 +581,8 @@ static void trim_choices(cb_moe *m, int n) {
 }
 
 /* Lookahead: the next MoE layer's router on this layer's input predicts the next layer's experts. The guesses are
- * always scored (lookahead_recall); they are read ahead only with the lookahead option, because a wrong guess costs a
- * whole expert read on a disk that is usually the bottleneck already (docs/benchmarks.md). */
+ * always scored (lookahead_recall); they are read ahead only with the lookahead option (coli tune decides whether
+ * the disk has the idle time for them), because a wrong guess costs a whole expert read. */
 static void predict_next(cb_moe *m, const float *x) {
     int next_layer = m->store.layer + 1;
     cb_moe *nx = next_layer < moe_by_layer_n ? moe_by_layer[next_layer] : NULL;
@@ -711,6 +711,9 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
         /* The misses go to the I/O pool first (it reads them in file order), the next layer's predictions
          * after them; resident experts compute while they load, the misses follow in ascending index. */
         stage_misses(m, 0);
+        /* The previous layer's guesses this router did not choose, if still waiting, are dropped: the pool would
+         * read them before this layer's own guesses for the next layer (they sort earlier in file order). */
+        if (cb_experts_options()->lookahead) cb_experts_drop_guesses(&m->store, m->n_rows);
         if (n == 1) predict_next(m, x);
         if (run_local(m, x, n, err, errlen)) {
             cb_remote_recv(&m->store, m->n_rows, m->y);

@@ -172,6 +172,18 @@ static int stage(cb_expert_layer *L, int e, int urgent) {
 int cb_experts_prefetch(cb_expert_layer *L, int e) { return stage(L, e, 1); }
 void cb_experts_predict(cb_expert_layer *L, int e) { (void)stage(L, e, 0); }
 
+void cb_experts_drop_guesses(cb_expert_layer *L, const int *wanted) {
+    pthread_mutex_lock(&pool.mu);
+    for (int i = 0; i < pool.n; i++) {
+        stage_t *s = &pool.st[i];
+        if (s->layer == L && s->state == ST_QUEUED && !s->urgent && !wanted[s->expert]) {
+            s->state = ST_FREE;
+            cb_prof.prefetch_dropped++;
+        }
+    }
+    pthread_mutex_unlock(&pool.mu);
+}
+
 void cb_experts_prefetch_cancel(cb_expert_layer *L) {
     pthread_mutex_lock(&pool.mu);
     for (int i = 0; i < pool.n; i++) {

@@ -180,6 +180,9 @@ void cb_experts_note_use(cb_expert_layer *L, int e);
  * after every urgent read and the first to give its buffer up when the pool is full. */
 int cb_experts_prefetch(cb_expert_layer *L, int e);   /* 1 = resident or queued, 0 = no free buffer (or off) */
 void cb_experts_predict(cb_expert_layer *L, int e);
+/* Forget this layer's guesses still waiting in the queue that its router did not choose (wanted[e] == 0), once it
+ * has chosen: a wrong guess left there would be read before the next layer's guesses, which sort after it. */
+void cb_experts_drop_guesses(cb_expert_layer *L, const int *wanted);
 /* Wait for and discard every staged read of this layer (error paths; cb_experts_free does it too). */
 void cb_experts_prefetch_cancel(cb_expert_layer *L);
 /* Stop the I/O threads and free the staging buffers (at exit; they restart on the next prefetch). */
