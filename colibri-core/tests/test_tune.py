@@ -95,6 +95,12 @@ def test_lookahead_and_prefill_chunk_follow_the_measured_ratio():
     assert not tune.choose(disk, 6 * MB, 1.5e-4, 3e-3, 64, 8).lookahead    # 8 x 0.15 ms = 1.2 ms
     assert tune.choose(disk, 6 * MB, 1.5e-4, 3e-3, 64, 16).lookahead       # 16 x 0.15 ms = 2.4 ms
     assert tune.choose(disk, 6 * MB, 3e-4, 3e-3, 64, 8).lookahead          # 8 x 0.3 ms = 2.4 ms
+    # the transfer time at the chosen bandwidth counts, not one read's latency at the chosen depth: the same disk
+    # read at depth 2 (each read twice as long, the same bandwidth) gives the same choice
+    deep = points({1: 0.5e9, 2: 1e9, 4: 1e9, 8: 1e9})
+    assert tune.choose(deep, 6 * MB, 3e-4, 3e-3, 64, 8).io_threads == 2
+    assert tune.choose(deep, 6 * MB, 3e-4, 3e-3, 64, 8).lookahead
+    assert not tune.choose(deep, 6 * MB, 1.5e-4, 3e-3, 64, 8).lookahead
     chunks = [tune.choose(points({1: bw, 2: bw}), 6 * MB, 1e-3, 32e-3, 64, 8).prefill_chunk
               for bw in (50e9, 5e9, 1e9, 0.2e9, 0.01e9)]
     assert chunks == sorted(chunks) and chunks[0] == tune.CHUNK_MIN and chunks[-1] == tune.CHUNK_MAX

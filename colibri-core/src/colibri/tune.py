@@ -17,9 +17,9 @@ What is chosen from it (:func:`choose`, each rule a comparison of measured figur
 - prefill chunk: a prefill pass reads each routed expert once and applies it to the rows routed to it; the chunk is
   the power of two (32-512) whose rows per expert make the expert's compute last as long as its read.
 - lookahead pays when a layer's routed compute (top-k experts' decode matmuls) lasts at least
-  :data:`LOOKAHEAD_COVER` of one expert's read: the next layer's predicted experts are read while this layer's
-  experts compute, so that is the time there is to hide reads behind; below it, a wrong guess only takes bandwidth
-  from the reads the token needs.
+  :data:`LOOKAHEAD_COVER` of one expert's transfer at the chosen bandwidth: the next layer's predicted experts are
+  read while this layer's experts compute, so that is the time there is to hide reads behind; below it, a wrong
+  guess only takes bandwidth from the reads the token needs.
 
 The profile is JSON under the config dir, one per filesystem (keyed by the device of the directory measured), so a
 model on another disk never uses this one's figures.
@@ -45,7 +45,7 @@ PROFILE_VERSION = 1
 DEPTHS = (1, 2, 4, 8)
 ALIGN = 4096
 DEPTH_GAIN = 1.10            # a deeper queue counts when it reads at least 10 % faster than every shallower one
-LOOKAHEAD_COVER = 0.25       # a layer's routed decode compute over one expert read, above which lookahead pays
+LOOKAHEAD_COVER = 0.25       # a layer's routed decode compute over one expert's transfer: lookahead pays above
 CHUNK_MIN, CHUNK_MAX = 32, 512
 PREFILL_PROBE_ROWS = 32
 DEFAULT_EXPERT_BYTES = 3 * 2048 * 1024      # one OLMoE-1B-7B int8 expert (gate, up, down of 2048 x 1024)
@@ -276,7 +276,10 @@ def choose(reads: tuple[ReadPoint, ...], expert_bytes: int, expert_s: float, exp
     row_s = expert_batch_s / PREFILL_PROBE_ROWS
     rows_needed = read_s / row_s if row_s > 0 else float("inf")
     chunk = _pow2_between(rows_needed * max(1, experts_per_layer) / max(1, top_k), CHUNK_MIN, CHUNK_MAX)
-    lookahead = max(1, top_k) * expert_s >= LOOKAHEAD_COVER * read_s
+    # The guesses stream at the disk's bandwidth, so they are measured by an expert's transfer time, not by one
+    # read's latency at the queue depth (which grows with the depth and would make the choice follow its noise).
+    transfer_s = expert_bytes / best.bytes_per_s if best.bytes_per_s > 0 else float("inf")
+    lookahead = max(1, top_k) * expert_s >= LOOKAHEAD_COVER * transfer_s
     return Choices(
         io_threads=best.depth, io="direct" if best.direct else "buffered",
         staging_buffers=max(MIN_STAGES, 2 * best.depth), prefill_chunk=chunk, lookahead=lookahead,
@@ -288,7 +291,8 @@ def choose(reads: tuple[ReadPoint, ...], expert_bytes: int, expert_s: float, exp
                                 f"({read_s * 1e3:.2f} ms), times experts/top-k, as a power of two "
                                 f"{CHUNK_MIN}-{CHUNK_MAX}",
                "lookahead": f"on when a layer's routed decode compute ({top_k} x {expert_s * 1e3:.3f} ms) is at "
-                            f"least {LOOKAHEAD_COVER:g} of one expert read ({read_s * 1e3:.2f} ms)"})
+                            f"least {LOOKAHEAD_COVER:g} of one expert's transfer ({transfer_s * 1e3:.2f} ms at "
+                            f"{best.bytes_per_s / 1e9:.2f} GB/s)"})
 
 
 # ---------------------------------------------------------------------------------------------- profile file
