@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -39,7 +38,7 @@ def decode_row(setting: str, cap_name: str, r: int, stats: dict) -> dict:
             "dropped": d.get("prefetch_dropped", 0) / steps if steps else None,
             "recall": d.get("lookahead_recall"), "load_average": stats.get("load_average"),
             "other_cpu_share": stats.get("other_cpu_share"), "error": stats.get("error"),
-            "quiet": stats.get("other_cpu_share", 1.0) <= sb.QUIET_OTHER_CPU and "error" not in stats}
+            "quiet": sb.quiet(stats)["quiet"] and "error" not in stats}
 
 
 def main() -> int:
@@ -78,11 +77,6 @@ def main() -> int:
     return 0
 
 
-def median_of(runs: list[dict], key: str) -> str:
-    values = [r[key] for r in runs if r[key] is not None]
-    return f"{statistics.median(values):.2f}" if values else "–"
-
-
 def table(rows: list[dict]) -> str:
     """Medians of the quiet runs, per cap and setting."""
     lines = ["| cap | lookahead | decode tok/s | I/O wait ms/token | expert ms | other ms | read MB/token | "
@@ -93,8 +87,8 @@ def table(rows: list[dict]) -> str:
             kept = [r for r in runs if r["quiet"]]
             loads = [r["load_average"] for r in kept if r["load_average"] is not None]
             note = f"{len(kept)}/{len(runs)}" + (f", load {min(loads):.1f}-{max(loads):.1f}" if loads else "")
-            cells = [median_of(kept, key) for key in ("decode_tps", "io_wait_ms", "expert_ms", "other_ms", "read_mb",
-                                                      "wrong_guesses", "dropped")]
+            keys = ("decode_tps", "io_wait_ms", "expert_ms", "other_ms", "read_mb", "wrong_guesses", "dropped")
+            cells = [sb.fmt(sb.med(kept, key)) for key in keys]
             lines.append(f"| {cap_name} | {setting} | " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
 
