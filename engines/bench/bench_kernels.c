@@ -1,17 +1,20 @@
 /* bench_kernels.c: matvec/matmul throughput per ISA, as GB/s of weight bytes read, and the integer kernels (int8,
  * int4-g64) per path at the OLMoE-1B-7B expert shapes for 1, 4, 16 and 64 input rows, as GB/s of weight bytes and
- * GOP/s (2 * rows * cols * n). Not a test: it never asserts, and the numbers are only meaningful on an otherwise
- * idle machine.
+ * GOP/s (2 * rows * cols * n), and block-scaled fp8 (e4m3, 128x128 f32 scales) at DeepSeek-V3's dense shapes and fp4 at a routed expert's. Not
+ * a test: it never asserts, and the numbers are only meaningful on an otherwise idle machine.
  *
- *   bench_kernels [threads] [float|quant]      (default: every section; threads 0 = physical cores)
+ *   bench_kernels [threads] [float|quant|fp8]      (default: every section; threads 0 = physical cores)
  *
- * The quant section uses only quant.h's public API, so it builds against an older runtime for before/after. */
+ * The quant and fp8 sections use only the public APIs of quant.h, fp8.h and fp4.h, so they build against an older runtime for
+ * before/after. */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "fp4.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "quant.h"
 
@@ -97,9 +100,94 @@ static void bench_quant(int threads) {
     free(q), free(scales), free(X), free(Y);
 }
 
+/* fp8 at DeepSeek-V3's widths (hidden 7168): the MLA down-projections (q_a 1536, kv_a 576 rows), the shared
+ * expert's down [7168, 2048], the dense MLP's gate/up [18432, 7168] and the o_proj [7168, 16384]; scalar and the
+ * selected ISA's body (fp8 runs the AVX2 one on AVX-512 CPUs), 1 and 4 inputs, as GB/s of fp8 bytes read. */
+static void bench_fp8(int threads) {
+    static const int shapes[][2] = {{1536, 7168}, {576, 7168}, {7168, 2048}, {18432, 7168}, {7168, 16384}};
+    static const int counts[] = {1, 4};
+    size_t max_bytes = (size_t)18432 * 7168;
+    uint8_t *w = malloc(max_bytes);
+    for (size_t i = 0; i < max_bytes; i++) {
+        uint8_t b = (uint8_t)((i * 2654435761u) >> 13);
+        w[i] = (b & 0x7f) == 0x7f ? 0x38 : b;   /* no NaN bytes, as in a real checkpoint */
+    }
+    float *scales = malloc(((size_t)18432 / 128) * (16384 / 128) * sizeof(float));
+    for (size_t i = 0; i < ((size_t)18432 / 128) * (16384 / 128); i++) scales[i] = 1e-3f * (float)(1 + i % 7);
+    float *X = malloc(4 * 16384 * sizeof(float)), *Y = malloc(4 * 18432 * sizeof(float));
+    for (int i = 0; i < 4 * 16384; i++) X[i] = (float)(i % 97) * 0.01f - 0.5f;
+    cb_threads_init(threads);
+    int nt = cb_threads_count();
+    cb_isa isas[2] = {CB_ISA_SCALAR, cb_isa_detect()};
+    printf("%-7s %-5s %-12s %4s %7s %9s %9s\n", "isa", "dtype", "shape", "n", "threads", "GB/s", "us/call");
+    for (int k = 0; k < 2; k++) {
+        cb_set_isa(isas[k]);
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            int rows = shapes[s][0], cols = shapes[s][1];
+            if ((size_t)rows * cols > max_bytes) rows = (int)(max_bytes / (size_t)cols);
+            cb_fp8matrix W = {rows, cols, w, scales, CB_FP8_SCALE_F32};
+            for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+                int n = counts[c];
+                cb_fp8_matmul(Y, &W, X, n);
+                double best = 1e30;
+                for (int trial = 0; trial < 5; trial++) {
+                    int reps = 0;
+                    double start = now(), elapsed;
+                    do {
+                        cb_fp8_matmul(Y, &W, X, n);
+                        reps++;
+                        elapsed = now() - start;
+                    } while (elapsed < 0.06);
+                    if (elapsed / reps < best) best = elapsed / reps;
+                }
+                char shape[32];
+                snprintf(shape, sizeof shape, "%dx%d", rows, cols);
+                printf("%-7s %-5s %-12s %4d %7d %9.2f %9.1f\n", cb_isa_name(isas[k]), "fp8", shape, n, nt,
+                       (double)rows * cols / best / 1e9, best * 1e6);
+            }
+        }
+        /* fp4 (e2m1, a ue8m0 scale per 32 columns) at a routed expert's shapes, 7168 wide and 2048 inner. */
+        static const int fp4_shapes[][2] = {{2048, 7168}, {7168, 2048}};
+        for (size_t s = 0; s < sizeof fp4_shapes / sizeof fp4_shapes[0]; s++) {
+            int rows = fp4_shapes[s][0], cols = fp4_shapes[s][1];
+            cb_fp4matrix W = {rows, cols, w, w, CB_FP8_SCALE_E8M0};   /* any bytes are codes; scales 2^(b-127) */
+            uint8_t *sc = malloc((size_t)rows * (size_t)(cols / CB_FP4_GROUP));
+            for (size_t i = 0; i < (size_t)rows * (size_t)(cols / CB_FP4_GROUP); i++) sc[i] = (uint8_t)(120 + i % 8);
+            W.scales = sc;
+            for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+                int n = counts[c];
+                cb_fp4_matmul(Y, &W, X, n);
+                double best = 1e30;
+                for (int trial = 0; trial < 5; trial++) {
+                    int reps = 0;
+                    double start = now(), elapsed;
+                    do {
+                        cb_fp4_matmul(Y, &W, X, n);
+                        reps++;
+                        elapsed = now() - start;
+                    } while (elapsed < 0.06);
+                    if (elapsed / reps < best) best = elapsed / reps;
+                }
+                char shape[32];
+                snprintf(shape, sizeof shape, "%dx%d", rows, cols);
+                printf("%-7s %-5s %-12s %4d %7d %9.2f %9.1f\n", cb_isa_name(isas[k]), "fp4", shape, n, nt,
+                       (double)rows * cols / 2 / best / 1e9, best * 1e6);
+            }
+            free(sc);
+        }
+    }
+    cb_set_isa(cb_isa_detect());
+    free(w);
+    free(scales);
+    free(X);
+    free(Y);
+}
+
 int main(int argc, char **argv) {
     int max_threads = argc > 1 ? atoi(argv[1]) : 0;
     const char *section = argc > 2 ? argv[2] : "";
+    if (strcmp(section, "fp8") == 0 || !*section) bench_fp8(max_threads);
+    if (strcmp(section, "fp8") == 0) return 0;
     if (strcmp(section, "float") != 0) bench_quant(max_threads);
     if (strcmp(section, "quant") == 0) return 0;
     static const int shapes[][2] = {{2048, 1024}, {1024, 2048}, {4096, 4096}, {50304, 2048}};

@@ -150,6 +150,72 @@ static void test_kernels(void) {
     cb_threads_shutdown();
 }
 
+/* The AVX2 body decodes e4m3 without its table except for chunks holding a NaN byte and blocks whose scale * 256
+ * could overflow; these check it on every byte under scales it must not get wrong: zero, subnormal, negative, large
+ * (the fast path's limit and past it) and infinite. Rows with NaN bytes give NaN, whose payload may differ between
+ * the paths; every other output must have the scalar path's bits. */
+static int same_or_both_nan(float a, float b) { return same_bits(a, b) || (isnan(a) && isnan(b)); }
+
+static void test_kernel_edges(void) {
+    static const float scales[] = {1.0f, 0x1p-149f, 0x1p-130f, -3.5f, 0.0f, 0x1p99f, 0x1p105f};
+    enum { NS = sizeof scales / sizeof scales[0], R = 18, C = NS * 128 + 40, N = 5 };
+    if (cb_isa_detect() < CB_ISA_AVX2) return;
+    uint8_t *w = malloc((size_t)R * C);
+    float sc[NS + 1];   /* one block row; NS + 1 block columns, the last one partial */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            uint8_t b = (uint8_t)(c * 7 + r);   /* every byte in every row, at every lane */
+            if (r % 2 == 0 && (b & 0x7f) == 0x7f) b ^= 1;   /* even rows: no NaN bytes */
+            w[(size_t)r * C + c] = b;
+        }
+    for (int b = 0; b <= NS; b++) sc[b] = scales[b % NS];
+    float X[N * C], ref[N * R], got[N * R];
+    for (int i = 0; i < N * C; i++) X[i] = rnd_unit();
+    cb_threads_init(1);
+    cb_fp8matrix W = {R, C, w, sc, CB_FP8_SCALE_F32};
+    for (int m = 1; m <= N; m++) {   /* one input (four rows at a time), tiles of four inputs, and both */
+        cb_set_isa(CB_ISA_SCALAR);
+        cb_fp8_matmul(ref, &W, X, m);
+        cb_set_isa(CB_ISA_AVX2);
+        cb_fp8_matmul(got, &W, X, m);
+        int exact = 1, nan_rows = 1;
+        for (int j = 0; j < m; j++)
+            for (int r = 0; r < R; r++) {
+                float g = got[(size_t)j * R + r], f = ref[(size_t)j * R + r];
+                if (r % 2 == 0) exact &= same_bits(g, f) && !isnan(f);
+                else nan_rows &= isnan(g) && isnan(f);
+            }
+        CHECK(exact, "every byte but NaN, edge scales, n=%d: the scalar path's bits", m);
+        CHECK(nan_rows, "rows with NaN bytes give NaN on both paths, n=%d", m);
+    }
+    /* A scale whose product with 256 overflows (2^124): small bytes and inputs keep every product and sum finite,
+     * so only the table path gets them right. */
+    float huge[1] = {0x1p124f}, xs[128];
+    uint8_t small[4 * 128];
+    for (int i = 0; i < 4 * 128; i++) small[i] = (uint8_t)((i * 5) & 0xbf);   /* |e4m3| <= 1.875 */
+    for (int c = 0; c < 128; c++) xs[c] = 0x1p-8f * rnd_unit();
+    cb_fp8matrix H = {4, 128, small, huge, CB_FP8_SCALE_F32};
+    cb_set_isa(CB_ISA_SCALAR);
+    cb_fp8_matmul(ref, &H, xs, 1);
+    cb_set_isa(CB_ISA_AVX2);
+    cb_fp8_matmul(got, &H, xs, 1);
+    CHECK(isfinite(ref[0]) && !memcmp(got, ref, 4 * sizeof(float)), "a block scale of 2^124: %a vs %a", got[0], ref[0]);
+    /* An infinite scale: inf or NaN products, the same class on both paths. */
+    float inf_scale[NS + 1];
+    for (int b = 0; b <= NS; b++) inf_scale[b] = b == 2 ? INFINITY : 1.0f;
+    W.scales = inf_scale;
+    cb_set_isa(CB_ISA_SCALAR);
+    cb_fp8_matmul(ref, &W, X, 1);
+    cb_set_isa(CB_ISA_AVX2);
+    cb_fp8_matmul(got, &W, X, 1);
+    int ok = 1;
+    for (int r = 0; r < R; r++) ok &= same_or_both_nan(got[r], ref[r]);
+    CHECK(ok, "an infinite block scale");
+    cb_set_isa(cb_isa_detect());
+    cb_threads_shutdown();
+    free(w);
+}
+
 /* ---- checkpoints (fixture.h) ---- */
 
 static void test_load_linear(void) {
@@ -301,6 +367,7 @@ int main(void) {
     test_table();
     test_dequant();
     test_kernels();
+    test_kernel_edges();
     test_load_linear();
     test_experts();
     snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);

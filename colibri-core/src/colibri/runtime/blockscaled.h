@@ -2,7 +2,7 @@
  * Private to the runtime; engines include fp8.h / fp4.h.
  *
  * A format supplies only how one weight is decoded: `static float dot_scalar(const MTYPE *W, int r, const float *x)`
- * in its scalar file and `row_tile(Y, ldy, W, r, X, ldx, nx)` (one row against nx <= 4 inputs) in its AVX2 file.
+ * in its scalar file and two tiles in its AVX2 file (CB_BLOCKSCALED_ROWS_AVX2 below).
  * The macros below write the rest once: which rows and inputs each call computes, the threading, the scalar
  * stand-in where there are no x86 kernels, and the loader over the format's own locate (its dtype and shape checks). They decide who computes which (row, input), never how, so threads and
  * batching never change a bit. */
@@ -49,15 +49,24 @@
     }
 #endif
 
-/* PREFIX_rows_avx2 over the file's row_tile: inputs in tiles of four (each row's weights decoded once per tile),
- * the rest one by one. Expanded where CB_TARGET is defined. */
+/* PREFIX_rows_avx2 over the file's two tiles: `row_tile(Y, ldy, W, r, X, ldx, nx)` (one row against nx <= 4
+ * inputs) and `rows4_tile(y, W, r, x)` (rows r .. r+3 against one input). Inputs go in tiles of four, one row at a
+ * time (each row's weights decoded once per tile); the inputs left over, decode's single one above all, four rows at
+ * a time: a row's sum is one chain of dependent fmas (the summation order is fixed), so one row alone waits on the
+ * fma latency, four independent ones keep the units busy. Which tile computes an output never changes its bits.
+ * Expanded where CB_TARGET is defined. */
 #define CB_BLOCKSCALED_ROWS_AVX2(PREFIX, MTYPE)                                                                    \
     CB_TARGET void PREFIX##_rows_avx2(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n,     \
                                       int r0, int r1) {                                                          \
-        for (int r = r0; r < r1; r++) {                                                                            \
-            int j = 0;                                                                                             \
-            for (; j + 4 <= n; j += 4) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);      \
-            for (; j < n; j++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 1);              \
+        int j = 0;                                                                                                 \
+        for (; j + 4 <= n; j += 4)                                                                                 \
+            for (int r = r0; r < r1; r++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);   \
+        for (; j < n; j++) {                                                                                       \
+            float *y = Y + (size_t)j * ldy;                                                                        \
+            const float *x = X + (size_t)j * ldx;                                                                  \
+            int r = r0;                                                                                            \
+            for (; r + 4 <= r1; r += 4) rows4_tile(y, W, r, x);                                                    \
+            for (; r < r1; r++) row_tile(y, ldy, W, r, x, ldx, 1);                                                 \
         }                                                                                                          \
     }
 
