@@ -1,12 +1,13 @@
 /* bench_kernels.c: matvec/matmul throughput per ISA, as GB/s of weight bytes read, and the integer kernels (int8,
  * int4-g64) per path at the OLMoE-1B-7B expert shapes for 1, 4, 16 and 64 input rows, as GB/s of weight bytes and
- * GOP/s (2 * rows * cols * n), and block-scaled fp8 (e4m3, 128x128 f32 scales) at DeepSeek-V3's dense shapes and fp4 at a routed expert's. Not
- * a test: it never asserts, and the numbers are only meaningful on an otherwise idle machine.
+ * GOP/s (2 * rows * cols * n); block-scaled fp8 (e4m3, 128x128 f32 scales) at DeepSeek-V3's dense shapes and fp4 at
+ * a routed expert's, as GB/s. Not a test: it never asserts, and the numbers are only meaningful on an otherwise idle
+ * machine.
  *
  *   bench_kernels [threads] [float|quant|fp8]      (default: every section; threads 0 = physical cores)
  *
- * The quant and fp8 sections use only the public APIs of quant.h, fp8.h and fp4.h, so they build against an older runtime for
- * before/after. */
+ * The quant and fp8 sections use only the public APIs of quant.h, fp8.h and fp4.h, so they build against an older
+ * runtime for before/after. */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,20 +101,62 @@ static void bench_quant(int threads) {
     free(q), free(scales), free(X), free(Y);
 }
 
+/* One block-scaled matmul, fp8 or fp4, as a callback for best_seconds. */
+typedef struct {
+    const cb_fp8matrix *f8;
+    const cb_fp4matrix *f4;
+    float *Y;
+    const float *X;
+    int n;
+} scaled_call;
+
+static void run_scaled(const scaled_call *c) {
+    if (c->f8) cb_fp8_matmul(c->Y, c->f8, c->X, c->n);
+    else cb_fp4_matmul(c->Y, c->f4, c->X, c->n);
+}
+
+/* Best of 5 trials of >= 60 ms each, in seconds per call (after one untimed call). */
+static double best_seconds(const scaled_call *c) {
+    run_scaled(c);
+    double best = 1e30;
+    for (int trial = 0; trial < 5; trial++) {
+        int reps = 0;
+        double start = now(), elapsed;
+        do {
+            run_scaled(c);
+            reps++;
+            elapsed = now() - start;
+        } while (elapsed < 0.06);
+        if (elapsed / reps < best) best = elapsed / reps;
+    }
+    return best;
+}
+
+static void print_scaled(cb_isa isa, const char *dtype, int rows, int cols, int n, int threads, double bytes,
+                         double sec) {
+    char shape[32];
+    snprintf(shape, sizeof shape, "%dx%d", rows, cols);
+    printf("%-7s %-5s %-12s %4d %7d %9.2f %9.1f\n", cb_isa_name(isa), dtype, shape, n, threads, bytes / sec / 1e9,
+           sec * 1e6);
+}
+
 /* fp8 at DeepSeek-V3's widths (hidden 7168): the MLA down-projections (q_a 1536, kv_a 576 rows), the shared
- * expert's down [7168, 2048], the dense MLP's gate/up [18432, 7168] and the o_proj [7168, 16384]; scalar and the
- * selected ISA's body (fp8 runs the AVX2 one on AVX-512 CPUs), 1 and 4 inputs, as GB/s of fp8 bytes read. */
+ * expert's down [7168, 2048], the dense MLP's gate/up [18432, 7168] and the o_proj [7168, 16384]; then fp4 (e2m1, a
+ * ue8m0 scale per 32 columns) at a routed expert's shapes. Scalar and the CPU's best body, 1 and 4 inputs, as GB/s
+ * of weight bytes read. */
 static void bench_fp8(int threads) {
     static const int shapes[][2] = {{1536, 7168}, {576, 7168}, {7168, 2048}, {18432, 7168}, {7168, 16384}};
+    static const int fp4_shapes[][2] = {{2048, 7168}, {7168, 2048}};
     static const int counts[] = {1, 4};
-    size_t max_bytes = (size_t)18432 * 7168;
-    uint8_t *w = malloc(max_bytes);
+    size_t max_bytes = (size_t)18432 * 7168, n_scales = ((size_t)18432 / 128) * (16384 / 128);
+    uint8_t *w = malloc(max_bytes), *e8m0 = malloc(max_bytes / CB_FP4_GROUP);
     for (size_t i = 0; i < max_bytes; i++) {
         uint8_t b = (uint8_t)((i * 2654435761u) >> 13);
         w[i] = (b & 0x7f) == 0x7f ? 0x38 : b;   /* no NaN bytes, as in a real checkpoint */
     }
-    float *scales = malloc(((size_t)18432 / 128) * (16384 / 128) * sizeof(float));
-    for (size_t i = 0; i < ((size_t)18432 / 128) * (16384 / 128); i++) scales[i] = 1e-3f * (float)(1 + i % 7);
+    for (size_t i = 0; i < max_bytes / CB_FP4_GROUP; i++) e8m0[i] = (uint8_t)(120 + i % 8);
+    float *scales = malloc(n_scales * sizeof(float));
+    for (size_t i = 0; i < n_scales; i++) scales[i] = 1e-3f * (float)(1 + i % 7);
     float *X = malloc(4 * 16384 * sizeof(float)), *Y = malloc(4 * 18432 * sizeof(float));
     for (int i = 0; i < 4 * 16384; i++) X[i] = (float)(i % 97) * 0.01f - 0.5f;
     cb_threads_init(threads);
@@ -122,62 +165,24 @@ static void bench_fp8(int threads) {
     printf("%-7s %-5s %-12s %4s %7s %9s %9s\n", "isa", "dtype", "shape", "n", "threads", "GB/s", "us/call");
     for (int k = 0; k < 2; k++) {
         cb_set_isa(isas[k]);
-        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-            int rows = shapes[s][0], cols = shapes[s][1];
-            if ((size_t)rows * cols > max_bytes) rows = (int)(max_bytes / (size_t)cols);
-            cb_fp8matrix W = {rows, cols, w, scales, CB_FP8_SCALE_F32};
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
-                int n = counts[c];
-                cb_fp8_matmul(Y, &W, X, n);
-                double best = 1e30;
-                for (int trial = 0; trial < 5; trial++) {
-                    int reps = 0;
-                    double start = now(), elapsed;
-                    do {
-                        cb_fp8_matmul(Y, &W, X, n);
-                        reps++;
-                        elapsed = now() - start;
-                    } while (elapsed < 0.06);
-                    if (elapsed / reps < best) best = elapsed / reps;
-                }
-                char shape[32];
-                snprintf(shape, sizeof shape, "%dx%d", rows, cols);
-                printf("%-7s %-5s %-12s %4d %7d %9.2f %9.1f\n", cb_isa_name(isas[k]), "fp8", shape, n, nt,
-                       (double)rows * cols / best / 1e9, best * 1e6);
+                cb_fp8matrix W = {shapes[s][0], shapes[s][1], w, scales, CB_FP8_SCALE_F32};
+                scaled_call call = {&W, NULL, Y, X, counts[c]};
+                print_scaled(isas[k], "fp8", W.rows, W.cols, counts[c], nt, (double)W.rows * W.cols,
+                             best_seconds(&call));
             }
-        }
-        /* fp4 (e2m1, a ue8m0 scale per 32 columns) at a routed expert's shapes, 7168 wide and 2048 inner. */
-        static const int fp4_shapes[][2] = {{2048, 7168}, {7168, 2048}};
-        for (size_t s = 0; s < sizeof fp4_shapes / sizeof fp4_shapes[0]; s++) {
-            int rows = fp4_shapes[s][0], cols = fp4_shapes[s][1];
-            cb_fp4matrix W = {rows, cols, w, w, CB_FP8_SCALE_E8M0};   /* any bytes are codes; scales 2^(b-127) */
-            uint8_t *sc = malloc((size_t)rows * (size_t)(cols / CB_FP4_GROUP));
-            for (size_t i = 0; i < (size_t)rows * (size_t)(cols / CB_FP4_GROUP); i++) sc[i] = (uint8_t)(120 + i % 8);
-            W.scales = sc;
+        for (size_t s = 0; s < sizeof fp4_shapes / sizeof fp4_shapes[0]; s++)
             for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
-                int n = counts[c];
-                cb_fp4_matmul(Y, &W, X, n);
-                double best = 1e30;
-                for (int trial = 0; trial < 5; trial++) {
-                    int reps = 0;
-                    double start = now(), elapsed;
-                    do {
-                        cb_fp4_matmul(Y, &W, X, n);
-                        reps++;
-                        elapsed = now() - start;
-                    } while (elapsed < 0.06);
-                    if (elapsed / reps < best) best = elapsed / reps;
-                }
-                char shape[32];
-                snprintf(shape, sizeof shape, "%dx%d", rows, cols);
-                printf("%-7s %-5s %-12s %4d %7d %9.2f %9.1f\n", cb_isa_name(isas[k]), "fp4", shape, n, nt,
-                       (double)rows * cols / 2 / best / 1e9, best * 1e6);
+                cb_fp4matrix W = {fp4_shapes[s][0], fp4_shapes[s][1], w, e8m0, CB_FP8_SCALE_E8M0};
+                scaled_call call = {NULL, &W, Y, X, counts[c]};
+                print_scaled(isas[k], "fp4", W.rows, W.cols, counts[c], nt, (double)W.rows * W.cols / 2,
+                             best_seconds(&call));
             }
-            free(sc);
-        }
     }
     cb_set_isa(cb_isa_detect());
     free(w);
+    free(e8m0);
     free(scales);
     free(X);
     free(Y);

@@ -12,8 +12,9 @@
 #include "kernels_impl.h"
 
 /* PREFIX_rows_scalar over dot_scalar, and PREFIX_matmul / PREFIX_matvec dispatching to the selected ISA's body and
- * parallel over rows once rows * cols * n is large enough (cb_parallel_rows). */
-#define CB_BLOCKSCALED_DRIVERS(PREFIX, MTYPE)                                                                      \
+ * parallel over rows once rows * cols * n is large enough (cb_parallel_rows). AVX512_ROWS is the body an AVX-512
+ * CPU runs: the format's own (PREFIX_rows_avx512) or its AVX2 one. */
+#define CB_BLOCKSCALED_DRIVERS(PREFIX, MTYPE, AVX512_ROWS)                                                         \
     void PREFIX##_rows_scalar(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n, int r0,     \
                               int r1) {                                                                          \
         for (int r = r0; r < r1; r++)                                                                              \
@@ -33,7 +34,9 @@
     }                                                                                                              \
     void PREFIX##_matmul(float *Y, const MTYPE *W, const float *X, int n) {                                        \
         if (n <= 0 || W->rows <= 0) return;                                                                        \
-        PREFIX##_job j = {Y, W, X, n, cb_get_isa() == CB_ISA_SCALAR ? PREFIX##_rows_scalar : PREFIX##_rows_avx2};  \
+        cb_isa isa = cb_get_isa();                                                                                 \
+        PREFIX##_job j = {Y, W, X, n, isa == CB_ISA_SCALAR ? PREFIX##_rows_scalar                                  \
+                                      : isa == CB_ISA_AVX2 ? PREFIX##_rows_avx2 : AVX512_ROWS};                    \
         cb_parallel_rows(W->rows, (size_t)W->rows * (size_t)W->cols * (size_t)n, PREFIX##_run_rows, &j);           \
     }                                                                                                              \
     void PREFIX##_matvec(float *y, const MTYPE *W, const float *x) { PREFIX##_matmul(y, W, x, 1); }
@@ -49,14 +52,14 @@
     }
 #endif
 
-/* PREFIX_rows_avx2 over the file's two tiles: `row_tile(Y, ldy, W, r, X, ldx, nx)` (one row against nx <= 4
- * inputs) and `rows4_tile(y, W, r, x)` (rows r .. r+3 against one input). Inputs go in tiles of four, one row at a
- * time (each row's weights decoded once per tile); the inputs left over, decode's single one above all, four rows at
- * a time: a row's sum is one chain of dependent fmas (the summation order is fixed), so one row alone waits on the
- * fma latency, four independent ones keep the units busy. Which tile computes an output never changes its bits.
- * Expanded where CB_TARGET is defined. */
-#define CB_BLOCKSCALED_ROWS_AVX2(PREFIX, MTYPE)                                                                    \
-    CB_TARGET void PREFIX##_rows_avx2(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n,     \
+/* PREFIX_rows##SUFFIX (SUFFIX _avx2 or _avx512) over the file's two tiles: `row_tile(Y, ldy, W, r, X, ldx, nx)`
+ * (one row against nx <= 4 inputs) and `rows4_tile(y, W, r, x)` (rows r .. r+3 against one input). Inputs go in
+ * tiles of four, one row at a time (each row's weights decoded once per tile); the inputs left over, decode's single
+ * one above all, four rows at a time: a row's sum is one chain of dependent fmas (the summation order is fixed), so
+ * one row alone waits on the fma latency, four independent ones keep the units busy. Which tile computes an output
+ * never changes its bits. Expanded where CB_TARGET is defined. */
+#define CB_BLOCKSCALED_ROWS_(PREFIX, MTYPE, SUFFIX)                                                                    \
+    CB_TARGET void PREFIX##_rows##SUFFIX(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n,     \
                                       int r0, int r1) {                                                          \
         int j = 0;                                                                                                 \
         for (; j + 4 <= n; j += 4)                                                                                 \
@@ -69,6 +72,7 @@
             for (; r < r1; r++) row_tile(y, ldy, W, r, x, ldx, 1);                                                 \
         }                                                                                                          \
     }
+#define CB_BLOCKSCALED_ROWS(PREFIX, MTYPE, SUFFIX) CB_BLOCKSCALED_ROWS_(PREFIX, MTYPE, SUFFIX)
 
 /* PREFIX_load over the format's PREFIX_locate and PREFIX_scale_kind_of: 1 when the tensor is not of the format, 0
  * with *buf owning weights then scales (cb_scaled_read) and *W pointing into it, -1 with a message. Expanded in the

@@ -43,7 +43,7 @@ static float dot_scalar(const cb_fp4matrix *W, int r, const float *x) {
     return cb_lane16_reduce(lane);
 }
 
-CB_BLOCKSCALED_DRIVERS(cb_fp4, cb_fp4matrix)
+CB_BLOCKSCALED_DRIVERS(cb_fp4, cb_fp4matrix, cb_fp4_rows_avx2)
 
 /* ---- checkpoints ---- */
 

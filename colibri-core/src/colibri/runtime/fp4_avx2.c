@@ -1,9 +1,9 @@
 /* fp4_avx2.c: the AVX2 body of fp4.h's kernels. 16 columns (8 bytes) at a time: the nibbles are split and
  * interleaved back into column order, decoded with a register permute (the table's second half is its first with
  * the sign bit set, so the low three bits pick the magnitude and bit 3 is the sign: no memory gathers) and scaled
- * with one multiply (the scalar path's f32 product), then accumulated with the 16-lane fma and reduction tree of kernels_v16_avx2.h,
- * so every result equals cb_fp4_rows_scalar bit for bit. Compiled with target attributes; the dispatcher only
- * calls it when cb_get_isa() is AVX2 or better. */
+ * with one multiply (the scalar path's f32 product), then accumulated with the 16-lane fma and reduction tree of
+ * kernels_v16_avx2.h, so every result equals cb_fp4_rows_scalar bit for bit. Compiled with target attributes; the
+ * dispatcher only calls it when cb_get_isa() is AVX2 or better. */
 #include "fp4.h"
 #include "blockscaled.h"
 
@@ -70,12 +70,13 @@ FP4_INLINE void rows4_tile(float *y, const cb_fp4matrix *W, int r, const float *
             for (int i = 0; i < 4; i++) scale[i] = _mm256_set1_ps(cb_fp4_scale(W, r + i, c / CB_FP4_GROUP));
         V16 xv = v16_load_f32(x + c);
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) acc[i] = v16_fma(load_fp4(row + (size_t)i * row_bytes + (size_t)(c / 2), scale[i]), xv, acc[i]);
+        for (int i = 0; i < 4; i++)
+            acc[i] = v16_fma(load_fp4(row + (size_t)i * row_bytes + (size_t)(c / 2), scale[i]), xv, acc[i]);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) y[r + i] = v16_reduce(acc[i]);
 }
 
-CB_BLOCKSCALED_ROWS_AVX2(cb_fp4, cb_fp4matrix)
+CB_BLOCKSCALED_ROWS(cb_fp4, cb_fp4matrix, _avx2)
 
 #endif

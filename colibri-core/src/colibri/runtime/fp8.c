@@ -120,7 +120,14 @@ static float dot_scalar(const cb_fp8matrix *W, int r, const float *x) {
     return sum;
 }
 
-CB_BLOCKSCALED_DRIVERS(cb_fp8, cb_fp8matrix)
+#if !CB_HAVE_X86_KERNELS
+void cb_fp8_rows_avx512(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n, int r0,
+                        int r1) {
+    cb_fp8_rows_scalar(Y, ldy, W, X, ldx, n, r0, r1);
+}
+#endif
+
+CB_BLOCKSCALED_DRIVERS(cb_fp8, cb_fp8matrix, cb_fp8_rows_avx512)
 
 /* ---- checkpoints ---- */
 

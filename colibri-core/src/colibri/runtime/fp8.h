@@ -8,8 +8,8 @@
  * Numerics (the contract the tests check): the kernels form each weight as the f32 product
  *     w = (float)e4m3 * scale            (one rounding, the value torch's dequantization computes)
  * and feed it to the summation order of kernels.h (16 lanes, fmaf, the pairwise tree, the tail in order). So a
- * row's dot product is bit-identical to cb_dot of the dequantized f32 row, on every ISA (scalar and AVX2 here;
- * an AVX-512 CPU runs the AVX2 path), whatever the threading or batching: an fp8 checkpoint and its dequantized
+ * row's dot product is bit-identical to cb_dot of the dequantized f32 row, on every ISA (scalar, AVX2 and
+ * AVX-512 here), whatever the threading or batching: an fp8 checkpoint and its dequantized
  * f32 copy give the same tokens. Block columns never split a 16-lane chunk (128 is a multiple of 16), so each
  * chunk has one scale.
  *
@@ -75,6 +75,8 @@ void cb_fp8_rows_scalar(float *Y, size_t ldy, const cb_fp8matrix *W, const float
                         int r1);
 void cb_fp8_rows_avx2(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n, int r0,
                       int r1);
+void cb_fp8_rows_avx512(float *Y, size_t ldy, const cb_fp8matrix *W, const float *X, size_t ldx, int n, int r0,
+                        int r1);
 extern const float cb_e4m3_table[256];
 
 #endif

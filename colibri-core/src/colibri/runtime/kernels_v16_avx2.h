@@ -56,5 +56,10 @@ static inline __attribute__((always_inline)) CB_TARGET float v16_reduce(V16 v) {
     __m256 s8 = _mm256_add_ps(v.lo, v.hi);                                       /* s8[i] = l[i] + l[i+8] */
     return cb_tree8_reduce(s8);
 }
+/* 16 f16 bit patterns as f32, exactly. */
+static inline __attribute__((always_inline)) CB_TARGET V16 v16_from_f16_bits(__m256i h) {
+    V16 v = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    return v;
+}
 
 #endif
