@@ -7,7 +7,9 @@ What is measured (docs/benchmarks.md, "The disk bound"):
   latency per read. Buffered reads drop what they read from the page cache so every read reaches the device, as an
   expert cache miss does.
 - one routed expert's matmuls (gate/up, then down) with the runtime's own kernels, for one row (decode) and for a
-  batch of rows (prefill), by a small probe compiled with the runtime (``tune_probe/tune_probe.c``).
+  batch of rows (prefill), by a small probe compiled with the runtime (``tune_probe/tune_probe.c``); each call takes
+  the next of enough copies of the expert to overflow the last-level cache, because decode streams its experts'
+  weights from memory (one expert timed over and over stays cache-hot and measured 3.5x too fast).
 
 What is chosen from it (:func:`choose`, each rule a comparison of measured figures):
 
