@@ -2,10 +2,10 @@
  * Private to the runtime; engines include fp8.h / fp4.h.
  *
  * A format supplies only how one weight is decoded: `static float dot_scalar(const MTYPE *W, int r, const float *x)`
- * in its scalar file and two tiles in its AVX2 file (CB_BLOCKSCALED_ROWS_AVX2 below).
+ * in its scalar file and two tiles in each SIMD file (CB_BLOCKSCALED_ROWS below).
  * The macros below write the rest once: which rows and inputs each call computes, the threading, the scalar
- * stand-in where there are no x86 kernels, and the loader over the format's own locate (its dtype and shape checks). They decide who computes which (row, input), never how, so threads and
- * batching never change a bit. */
+ * stand-in where there are no x86 kernels, and the loader over the format's own locate (its dtype and shape
+ * checks). They decide who computes which (row, input), never how, so threads and batching never change a bit. */
 #ifndef COLIBRI_BLOCKSCALED_H
 #define COLIBRI_BLOCKSCALED_H
 
@@ -59,18 +59,18 @@
  * one row alone waits on the fma latency, four independent ones keep the units busy. Which tile computes an output
  * never changes its bits. Expanded where CB_TARGET is defined. */
 #define CB_BLOCKSCALED_ROWS_(PREFIX, MTYPE, SUFFIX)                                                                    \
-    CB_TARGET void PREFIX##_rows##SUFFIX(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n,     \
-                                      int r0, int r1) {                                                          \
-        int j = 0;                                                                                                 \
-        for (; j + 4 <= n; j += 4)                                                                                 \
-            for (int r = r0; r < r1; r++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);   \
-        for (; j < n; j++) {                                                                                       \
-            float *y = Y + (size_t)j * ldy;                                                                        \
-            const float *x = X + (size_t)j * ldx;                                                                  \
-            int r = r0;                                                                                            \
-            for (; r + 4 <= r1; r += 4) rows4_tile(y, W, r, x);                                                    \
-            for (; r < r1; r++) row_tile(y, ldy, W, r, x, ldx, 1);                                                 \
-        }                                                                                                          \
+    CB_TARGET void PREFIX##_rows##SUFFIX(float *Y, size_t ldy, const MTYPE *W, const float *X, size_t ldx, int n,      \
+                                      int r0, int r1) {                                                                \
+        int j = 0;                                                                                                     \
+        for (; j + 4 <= n; j += 4)                                                                                     \
+            for (int r = r0; r < r1; r++) row_tile(Y + (size_t)j * ldy, ldy, W, r, X + (size_t)j * ldx, ldx, 4);       \
+        for (; j < n; j++) {                                                                                           \
+            float *y = Y + (size_t)j * ldy;                                                                            \
+            const float *x = X + (size_t)j * ldx;                                                                      \
+            int r = r0;                                                                                                \
+            for (; r + 4 <= r1; r += 4) rows4_tile(y, W, r, x);                                                        \
+            for (; r < r1; r++) row_tile(y, ldy, W, r, x, ldx, 1);                                                     \
+        }                                                                                                              \
     }
 #define CB_BLOCKSCALED_ROWS(PREFIX, MTYPE, SUFFIX) CB_BLOCKSCALED_ROWS_(PREFIX, MTYPE, SUFFIX)
 
