@@ -75,7 +75,7 @@ static void bench_quant(int threads) {
     cb_threads_init(threads);
     printf("%-12s %-5s %-10s %4s %7s %9s %9s %10s\n", "path", "quant", "shape", "n", "threads", "GB/s", "GOP/s",
            "us/call");
-    for (int p = CB_QPATH_SCALAR; p <= CB_QPATH_AVX512_VNNI; p++) {
+    for (int p = CB_QPATH_SCALAR; p < CB_QPATH_COUNT; p++) {
         if (cb_qpath_set((cb_qpath)p) != 0) continue;
         for (int scheme = CB_Q8_ROW; scheme <= CB_Q4_G64; scheme++)
             for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {

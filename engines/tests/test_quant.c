@@ -225,7 +225,7 @@ static void check_shape(cb_qscheme scheme, int rows, int cols, int n, int misali
     check(cb_qmatmul(scalar, &W.m, &a) == 0, "scalar matmul %s %dx%d", name, rows, cols);
     check(same_bits(scalar, ref, out_n), "scalar %s %dx%d n=%d equals the reference", name, rows, cols, n);
     check(cb_qmatmul(scalar_u, &U.m, &a) == 0, "scalar matmul U");
-    for (int p = CB_QPATH_SCALAR; p <= CB_QPATH_AVX512_VNNI; p++) {
+    for (int p = CB_QPATH_SCALAR; p < CB_QPATH_COUNT; p++) {
         if (cb_qpath_set((cb_qpath)p) != 0) continue;
         const char *pname = cb_qpath_name((cb_qpath)p);
         check(cb_qmatmul(got, &W.m, &a) == 0 && same_bits(got, scalar, out_n),
@@ -286,7 +286,7 @@ static void test_tile_shapes(void) {
                 int ok = cb_qact_init(&a, n, cols) == 0 && cb_qact_quantize(&a, x, n) == 0;
                 cb_qpath_set(CB_QPATH_SCALAR);
                 ok = ok && cb_qmatmul(scalar, &W.m, &a) == 0;
-                for (int p = CB_QPATH_AVX2; ok && p <= CB_QPATH_AVX512_VNNI; p++) {
+                for (int p = CB_QPATH_AVX2; ok && p < CB_QPATH_COUNT; p++) {
                     if (cb_qpath_set((cb_qpath)p) != 0) continue;
                     check(cb_qmatmul(got, &W.m, &a) == 0 && same_bits(got, scalar, out_n),
                           "%s tiles %s %dx%d n=%d (zero/negative scales, -128 levels) equal scalar",
@@ -317,7 +317,7 @@ static void test_extreme_sums(void) {
     for (int m = 0; m < 2; m++) {
         cb_qpath_set(CB_QPATH_SCALAR);
         check(cb_qmatvec_f32(y_ref, mats[m], x) == 0, "scalar extreme");
-        for (int p = CB_QPATH_AVX2; p <= CB_QPATH_AVX512_VNNI; p++) {
+        for (int p = CB_QPATH_AVX2; p < CB_QPATH_COUNT; p++) {
             if (cb_qpath_set((cb_qpath)p) != 0) continue;
             check(cb_qmatvec_f32(y, mats[m], x) == 0 && same_bits(y, y_ref, 2), "%s extreme sums %s",
                   cb_qpath_name((cb_qpath)p), m ? "int4" : "int8");
@@ -343,7 +343,7 @@ static void test_max_cols_wrap(void) {
         float want = (float)(int32_t)((v ? -128 : 127) * 127 * cols) * (1.0f / 127.0f), ref, y;
         cb_qpath_set(CB_QPATH_SCALAR);
         check(cb_qmatvec_f32(&ref, &W, x) == 0 && ref == want, "scalar max-cols sum %d (got %.9g)", v, ref);
-        for (int p = CB_QPATH_AVX2; p <= CB_QPATH_AVX512_VNNI; p++) {
+        for (int p = CB_QPATH_AVX2; p < CB_QPATH_COUNT; p++) {
             if (cb_qpath_set((cb_qpath)p) != 0) continue;
             check(cb_qmatvec_f32(&y, &W, x) == 0 && same_bits(&y, &ref, 1), "%s max-cols sum %s",
                   cb_qpath_name((cb_qpath)p), v ? "-128" : "+127");
@@ -385,8 +385,8 @@ static void test_thread_counts(void) {
 
 int main(void) {
     printf("test_quant: best path %s; paths run:", cb_qpath_name(cb_qpath_detect()));
-    for (int p = CB_QPATH_SCALAR; p <= CB_QPATH_AVX512_VNNI; p++)
-        printf(" %s%s", cb_qpath_name((cb_qpath)p), p <= (int)cb_qpath_detect() ? "" : " (skipped: CPU lacks it)");
+    for (int p = CB_QPATH_SCALAR; p < CB_QPATH_COUNT; p++)
+        printf(" %s%s", cb_qpath_name((cb_qpath)p), cb_qpath_available((cb_qpath)p) ? "" : " (skipped: CPU lacks it)");
     printf("\n");
     test_activation_quantization();
     test_nan_and_inf_inputs();

@@ -33,8 +33,10 @@ typedef enum { CB_Q8_ROW = 1, CB_Q4_G64 = 2 } cb_qscheme;
 typedef enum {
     CB_QPATH_SCALAR = 0,
     CB_QPATH_AVX2 = 1,          /* AVX2: vpmaddubsw + vpmaddwd */
-    CB_QPATH_AVX512 = 2,        /* AVX-512 BW: the same on 64-byte registers */
-    CB_QPATH_AVX512_VNNI = 3,   /* AVX-512 BW + VNNI: vpdpbusd */
+    CB_QPATH_AVX2_VNNI = 2,     /* AVX2 + AVX-VNNI (VEX vpdpbusd: Alder Lake and later client CPUs, no AVX-512) */
+    CB_QPATH_AVX512 = 3,        /* AVX-512 BW: vpmaddubsw + vpmaddwd on 64-byte registers */
+    CB_QPATH_AVX512_VNNI = 4,   /* AVX-512 BW + VNNI: vpdpbusd */
+    CB_QPATH_COUNT
 } cb_qpath;
 
 typedef struct {
@@ -56,8 +58,10 @@ typedef struct {
 } cb_qact;
 
 /* Paths: the default follows cb_get_isa() (COLIBRI_ISA), using the best integer path that ISA level allows;
- * COLIBRI_QPATH=scalar|avx2|avx512|avx512-vnni (read once) picks one path instead, when this CPU has it. */
-cb_qpath cb_qpath_detect(void);
+ * COLIBRI_QPATH=scalar|avx2|avx2-vnni|avx512|avx512-vnni (read once) picks one path instead, when this CPU has
+ * it. The paths are not a ladder (a CPU may have AVX-512 BW without AVX-VNNI), so ask cb_qpath_available. */
+cb_qpath cb_qpath_detect(void);               /* the fastest path this CPU has */
+int cb_qpath_available(cb_qpath path);        /* 1 if this CPU (and this build's compiler) has the path */
 int cb_qpath_set(cb_qpath path);              /* 0, or -1 if this CPU lacks it */
 void cb_qpath_reset(void);                    /* back to following cb_get_isa() */
 cb_qpath cb_qpath_get(void);

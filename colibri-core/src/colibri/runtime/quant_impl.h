@@ -1,5 +1,5 @@
 /* quant_impl.h: private glue between quant.c (dispatch, activations, the tile driver, the scalar reference) and
- * the per-ISA register tiles in quant_avx2.c / quant_avx512.c. Engines include quant.h only. */
+ * the per-ISA register tiles in quant_avx2.c (AVX2, AVX-VNNI) / quant_avx512.c (AVX-512 BW, VNNI). Engines include quant.h only. */
 #ifndef COLIBRI_QUANT_IMPL_H
 #define COLIBRI_QUANT_IMPL_H
 
@@ -9,6 +9,14 @@
 #define CB_HAVE_X86_QUANT 1
 #else
 #define CB_HAVE_X86_QUANT 0
+#endif
+
+/* AVX-VNNI's intrinsics (_mm256_dpbusd_avx_epi32, target "avxvnni") arrived in GCC 11 and clang 12; an older
+ * compiler builds the other paths and never offers this one. */
+#if CB_HAVE_X86_QUANT && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define CB_HAVE_AVX_VNNI 1
+#else
+#define CB_HAVE_AVX_VNNI 0
 #endif
 
 /* The scalar reference (quant.c). Exact sum over c < cols of w[c] * x[c] (int8 levels). */
@@ -59,6 +67,8 @@ static inline void cb_qprefetch_step(cb_qprefetch *p) {
 #if CB_HAVE_X86_QUANT
 void cb_q8_tile_avx2(float *out, const cb_qtile *t);
 void cb_q4_tile_avx2(float *out, const cb_qtile *t);
+void cb_q8_tile_avx2vnni(float *out, const cb_qtile *t);
+void cb_q4_tile_avx2vnni(float *out, const cb_qtile *t);
 void cb_q8_tile_avx512(float *out, const cb_qtile *t);
 void cb_q4_tile_avx512(float *out, const cb_qtile *t);
 void cb_q8_tile_avx512vnni(float *out, const cb_qtile *t);
