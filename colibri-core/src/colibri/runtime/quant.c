@@ -15,10 +15,17 @@ static atomic_int g_forced_path = -1;      /* -1: follow cb_get_isa() */
 #if CB_HAVE_X86_QUANT
 #include <cpuid.h>
 
-/* AVX-VNNI is CPUID leaf 7, sub-leaf 1, EAX bit 4; its YMM state is the one AVX2's check already asked the OS for. */
+/* AVX-VNNI is CPUID leaf 7, sub-leaf 1, EAX bit 4; its YMM state is the one AVX2's check already asked the OS for.
+ * Asked once: every matmul picks its path, and CPUID serialises the core (in a VM it exits to the hypervisor). */
 static int cpu_has_avx_vnni(void) {
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        unsigned a, b, c, d;
+        v = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+        atomic_store(&known, v);
+    }
+    return v;
 }
 #endif
 
