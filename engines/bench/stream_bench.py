@@ -235,7 +235,15 @@ def build_checkpoint(out: Path, skew: bool, experts_from: Path | None) -> Path:
 
 # ---- 2. llama.cpp -----------------------------------------------------------------------------------------------
 
-LLAMA_LITE = "llama-cpp-lite"     # under the bench cache: the sdist's Python package + its libraries
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# Under the bench cache: the sdist's Python package + its libraries (a separate build where AMX is left out).
+LLAMA_LITE = "llama-cpp-lite" + ("-noamx" if "amx_int8" in cpu_flags() else "")
 # What the runners' and the quantizer's environment needs for `import llama_cpp` (set by ensure_llama_cpp).
 LLAMA_ENV: dict[str, str] = {}
 
@@ -271,15 +279,42 @@ def llama_env(llama: Path) -> dict[str, str]:
     lib = lite / "llama_cpp" / "lib"
     if not (lib / "libllama.so").is_file():
         sdist_root = llama.parents[1]
-        build = CACHE / "llama-build"
+        build = CACHE / LLAMA_LITE.replace("cpp-lite", "build")
         log("building libllama from the llama-cpp-python sdist (library targets only)")
         subprocess.run(["cmake", "-S", str(sdist_root), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        *llama_isa_options(), "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_BUILD_SERVER=OFF"], check=True, capture_output=True)
         subprocess.run(["cmake", "--build", str(build), "--target", "llama", "-j", str(os.cpu_count() or 2)],
                        check=True, capture_output=True)
         install_lite(sdist_root, build / "bin", lite)
     return {"PYTHONPATH": str(lite), "LD_LIBRARY_PATH": str(lib)}
+
+
+# ggml's CPU flags for each /proc/cpuinfo flag, the ISA a native build would target.
+GGML_ISA_FLAGS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+                  "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+                  "avx512_bf16": "AVX512_BF16"}
+
+
+def llama_isa_options() -> list[str]:
+    """A native build, except on CPUs with AMX: there ggml's AMX matmul (which a native build turns on) segfaults
+    in the first decode of this MoE model inside llama_decode (seen on a Sapphire Rapids VM; llama.cpp issue
+    #20824 reports the same crash in ggml_backend_amx_mul_mat), so the build names every other ISA extension this
+    CPU has and leaves AMX out: the llama.cpp a user of this machine can actually run."""
+    flags = cpu_flags()
+    if "amx_int8" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{v}={'ON' if k in flags else 'OFF'}" for k, v in GGML_ISA_FLAGS.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def llama_build_note() -> str:
+    """How libllama was built, for the report."""
+    flags = cpu_flags()
+    if "amx_int8" not in flags:
+        return "native (-march=native)"
+    return ("without AMX (ggml's AMX matmul segfaults in this model's first decode here; llama.cpp issue #20824), "
+            "with every other extension this CPU has: " + ", ".join(sorted(f for f in GGML_ISA_FLAGS if f in flags)))
 
 
 def install_lite(sdist_root: Path, built: Path, lite: Path) -> None:
@@ -890,7 +925,7 @@ def machine() -> dict:
     isa = ("avx512-vnni" if " avx512_vnni" in flags else "avx512" if " avx512f" in flags
            else "avx2" if " avx2" in flags else "scalar")
     return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": mem, "isa": isa, "kernel": platform.release(),
-            "load_average": os.getloadavg()}
+            "load_average": os.getloadavg(), "llama_build": llama_build_note()}
 
 
 def measure_disk(model: Path) -> dict:
@@ -1238,7 +1273,8 @@ def write_markdown(results: dict, summary: dict) -> None:
         "A synthetic random-weight checkpoint at the real OLMoE-1B-7B geometry (16 layers, hidden 2048, 64 experts "
         "top-8, expert width 1024, vocab 50304). Same bit width on both sides: colibri's int8 container (experts "
         "and dense int8 per row, f16 scales) against llama.cpp's Q8_0, and int4-g64 against Q4_0, each GGUF made by "
-        "the llama-cpp-python 0.3.36 sdist's own converter and quantizer. Sizes: " + sizes + ". Workload: a "
+        "the llama-cpp-python 0.3.36 sdist's own converter and quantizer; libllama built "
+        + m.get("llama_build", "native (-march=native)") + ". Sizes: " + sizes + ". Workload: a "
         f"{PROMPT_TOKENS}-token prompt (in RAM also {', '.join(str(p) for p in IN_RAM_PROMPTS if p != PROMPT_TOKENS)})"
         f", then {DECODE_TOKENS} teacher-forced decode steps (greedy decoding of a random model loops and flatters "
         "any cache). Both engines 2 threads; llama.cpp gets the whole prompt in one batch.", "",
