@@ -6,8 +6,9 @@ Stages, each cached under ``$COLIBRI_BENCH_CACHE`` (default ``~/.cache/colibri/b
    one expert shard per layer; never the whole model in memory), plus a router-skewed variant that shares the
    expert shards (hard links) and differs in its embeddings and routers: every embedding carries a common
    direction and router row e leans on it by a Zipf-like amount, so expert popularity falls off with rank.
-2. llama.cpp: the ``llama-cpp-python`` sdist built once into a cached wheel, and each checkpoint converted by the
-   sdist's own ``convert_hf_to_gguf.py`` (its gguf-py first on sys.path) to bf16 GGUF.
+2. llama.cpp: the ``llama-cpp-python`` sdist's libllama built once (native; on AMX CPUs without AMX, whose matmul
+   crashes on this model) beside the sdist's own Python package, and each checkpoint converted by the sdist's own
+   ``convert_hf_to_gguf.py`` (its gguf-py first on sys.path) to bf16 GGUF.
 3. Runs, A/B alternated: (a) model in RAM, page cache warm; (b) RAM capped at ~1/3 of the model by a cgroup v1
    memory child group under this process's own group, page cache dropped first. The same 64-token prompt, then
    32 teacher-forced decode steps (the protocol's ``forced`` field; greedy decode of a random model loops on two
@@ -242,8 +243,13 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-# Under the bench cache: the sdist's Python package + its libraries (a separate build where AMX is left out).
-LLAMA_LITE = "llama-cpp-lite" + ("-noamx" if "amx_int8" in cpu_flags() else "")
+CPU_FLAGS = cpu_flags()
+# ggml's AMX matmul, which a native build turns on, segfaults in this model's first llama_decode (seen on a Sapphire
+# Rapids VM; llama.cpp issue #20824 reports the same crash in ggml_backend_amx_mul_mat): leave it out where it exists.
+LLAMA_WITHOUT_AMX = "amx_int8" in CPU_FLAGS
+# Under the bench cache: the sdist's Python package + its libraries (a build of its own when AMX is left out).
+LLAMA_LITE = "llama-cpp-lite" + ("-noamx" if LLAMA_WITHOUT_AMX else "")
+LLAMA_NATIVE_NOTE = "native (-march=native)"
 # What the runners' and the quantizer's environment needs for `import llama_cpp` (set by ensure_llama_cpp).
 LLAMA_ENV: dict[str, str] = {}
 
@@ -290,31 +296,27 @@ def llama_env(llama: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(lite), "LD_LIBRARY_PATH": str(lib)}
 
 
-# ggml's CPU flags for each /proc/cpuinfo flag, the ISA a native build would target.
+# ggml's CMake option for each /proc/cpuinfo flag: the extensions a native build would target.
 GGML_ISA_FLAGS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
                   "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
                   "avx512_bf16": "AVX512_BF16"}
 
 
 def llama_isa_options() -> list[str]:
-    """A native build, except on CPUs with AMX: there ggml's AMX matmul (which a native build turns on) segfaults
-    in the first decode of this MoE model inside llama_decode (seen on a Sapphire Rapids VM; llama.cpp issue
-    #20824 reports the same crash in ggml_backend_amx_mul_mat), so the build names every other ISA extension this
-    CPU has and leaves AMX out: the llama.cpp a user of this machine can actually run."""
-    flags = cpu_flags()
-    if "amx_int8" not in flags:
+    """A native build; without AMX (see LLAMA_WITHOUT_AMX), every other ISA extension this CPU has, named one by
+    one: the llama.cpp a user of this machine can actually run."""
+    if not LLAMA_WITHOUT_AMX:
         return ["-DGGML_NATIVE=ON"]
-    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{v}={'ON' if k in flags else 'OFF'}" for k, v in GGML_ISA_FLAGS.items()),
-            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    named = [f"-DGGML_{v}={'ON' if k in CPU_FLAGS else 'OFF'}" for k, v in GGML_ISA_FLAGS.items()]
+    return ["-DGGML_NATIVE=OFF", *named, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def llama_build_note() -> str:
     """How libllama was built, for the report."""
-    flags = cpu_flags()
-    if "amx_int8" not in flags:
-        return "native (-march=native)"
+    if not LLAMA_WITHOUT_AMX:
+        return LLAMA_NATIVE_NOTE
     return ("without AMX (ggml's AMX matmul segfaults in this model's first decode here; llama.cpp issue #20824), "
-            "with every other extension this CPU has: " + ", ".join(sorted(f for f in GGML_ISA_FLAGS if f in flags)))
+            "with every other extension this CPU has: " + ", ".join(sorted(CPU_FLAGS & GGML_ISA_FLAGS.keys())))
 
 
 def install_lite(sdist_root: Path, built: Path, lite: Path) -> None:
@@ -1274,7 +1276,7 @@ def write_markdown(results: dict, summary: dict) -> None:
         "top-8, expert width 1024, vocab 50304). Same bit width on both sides: colibri's int8 container (experts "
         "and dense int8 per row, f16 scales) against llama.cpp's Q8_0, and int4-g64 against Q4_0, each GGUF made by "
         "the llama-cpp-python 0.3.36 sdist's own converter and quantizer; libllama built "
-        + m.get("llama_build", "native (-march=native)") + ". Sizes: " + sizes + ". Workload: a "
+        + m.get("llama_build", LLAMA_NATIVE_NOTE) + ". Sizes: " + sizes + ". Workload: a "
         f"{PROMPT_TOKENS}-token prompt (in RAM also {', '.join(str(p) for p in IN_RAM_PROMPTS if p != PROMPT_TOKENS)})"
         f", then {DECODE_TOKENS} teacher-forced decode steps (greedy decoding of a random model loops and flatters "
         "any cache). Both engines 2 threads; llama.cpp gets the whole prompt in one batch.", "",
