@@ -119,6 +119,47 @@ static void write_raw_shard(const char *file, const char *header, size_t data_le
     fclose(f);
 }
 
+/* cb_map_linear keeps an embedding's rows in the file: the rows it gathers are the loaded copy's, bit for bit, and
+ * a tensor misaligned in its file is loaded instead of read misaligned. */
+static void test_mapped_embedding(void) {
+    clear_tmp();
+    enum { R = 5, C = 6 };
+    float e[R * C];
+    for (int i = 0; i < R * C; i++) e[i] = (float)(i * 7 % 11) - 4.25f;
+    uint16_t pad[1] = {0};
+    fx_tensor ts[] = {{"e", "F32", 2, {R, C}, e, sizeof e}, {"odd", "BF16", 1, {1}, pad, sizeof pad},
+                      {"f", "F32", 2, {R, C}, e, sizeof e}};
+    write_shard("model.safetensors", ts, 3);
+    char err[512];
+    cb_st_index idx;
+    CHECK(cb_st_open(&idx, tmpdir, err, sizeof err) == 0, "%s", err);
+    cb_linear loaded, mapped, misaligned;
+    size_t held = 0;
+    CHECK(cb_load_linear(&loaded, &idx, "e", R, C, NULL, err, sizeof err) == 0, "%s", err);
+    CHECK(cb_map_linear(&mapped, &idx, "e", R, C, &held, err, sizeof err) == 0, "%s", err);
+    CHECK(mapped.map != NULL && held == 0, "e mapped (%p), %zu bytes held", mapped.map, held);
+    const cb_tensor *f = cb_st_find(&idx, "f");
+    CHECK(f && f->offset % CB_MAP_ALIGN != 0, "f starts misaligned in its file");
+    CHECK(cb_map_linear(&misaligned, &idx, "f", R, C, &held, err, sizeof err) == 0, "%s", err);
+    CHECK(misaligned.map == NULL && held == sizeof e, "misaligned f loaded, %zu bytes held", held);
+    for (int r = 0; r < R; r++) {
+        float a[C], b[C], c[C];
+        cb_embed(a, &loaded, r);
+        cb_embed(b, &mapped, r);
+        cb_embed(c, &misaligned, r);
+        CHECK(memcmp(a, b, sizeof a) == 0 && memcmp(a, c, sizeof a) == 0 && memcmp(a, e + r * C, sizeof a) == 0,
+              "row %d", r);
+    }
+    cb_linear wrong;
+    CHECK(cb_map_linear(&wrong, &idx, "e", R, C + 1, NULL, err, sizeof err) != 0 && strstr(err, "shape") &&
+              wrong.map == NULL && wrong.w == NULL, "%s", err);
+    cb_linear_free(&loaded);
+    cb_linear_free(&mapped);
+    cb_linear_free(&misaligned);
+    CHECK(mapped.map == NULL && mapped.w == NULL, "freed");
+    cb_st_close(&idx);
+}
+
 static void test_safetensors(void) {
     clear_tmp();
     float a[6] = {1, 2, 3, 4, 5, 6};
@@ -478,6 +519,7 @@ int main(void) {
     test_json_output();
     test_json_fuzz();
     test_safetensors();
+    test_mapped_embedding();
     test_experts();
     test_sampler();
     test_rope_geometry();

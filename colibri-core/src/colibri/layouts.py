@@ -98,7 +98,7 @@ class LayoutParts:
             lm_head=None if tied else head, norms=tuple(self.norms), routers=tuple(self.routers),
             experts=tuple(self.experts), required=tuple(self.required), buffers=tuple(self.buffers),
             skipped_prefixes=layer_range_prefixes("model.layers.", layers, nextn) + skipped,
-            packed_int4=tuple(self.packed_int4))
+            packed_int4=tuple(self.packed_int4), paged=() if tied else ("model.embed_tokens.weight",))
 
     def _dense(self, config: Mapping[str, Any], head: str) -> list[str]:
         tied = bool(config.get("tie_word_embeddings", False))

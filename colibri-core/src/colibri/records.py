@@ -134,6 +134,9 @@ class TensorLayout:
                                            # routed experts); doctor --deep, convert and run refuse a mismatch
     expert_shapes: tuple[tuple[int, ...], ...] = ()  # the shape of each position of ExpertTensors.tensors (gate,
                                            # up, down, ...), the same for every routed expert; () = not stated
+    paged: tuple[str, ...] = ()            # embeddings the engine maps and gathers by the row instead of holding
+                                           # (the shared decoder's untied input embedding): counted in the
+                                           # checkpoint's bytes, not in what stays resident
 
 
 @dataclass(frozen=True)

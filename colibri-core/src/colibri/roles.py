@@ -33,11 +33,12 @@ class Inventory:
     experts_per_layer: int
     moe_layers: int
     dtypes: dict[str, int]
+    paged_bytes: int = 0          # embeddings of layout.paged: mapped and read by the row, never held
 
     @property
     def resident_bytes(self) -> int:
-        """What stays in RAM: dense weights and embeddings."""
-        return self.dense_bytes + self.embedding_bytes
+        """What stays in RAM: dense weights and the embeddings the engine holds (not the paged ones)."""
+        return self.dense_bytes + self.embedding_bytes - self.paged_bytes
 
     @property
     def loaded_bytes(self) -> int:
@@ -64,6 +65,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
     buffers = set(layout.buffers) if layout is not None else set()
     packed = set(layout.packed_fp4) if layout is not None else set()
     packed_int4 = set(layout.packed_int4) if layout is not None else set()
+    paged = set(layout.paged) & embedding_names if layout is not None else set()
 
     def params(t) -> int:   # values, not stored elements: packed FP4 in I8/U8 holds two per byte, int4 in I32 eight
         if t.name in packed_int4 and t.dtype == "I32":
@@ -71,7 +73,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
         return t.numel * 2 if t.name in packed and t.dtype in ("I8", "U8") else t.numel
 
     total = skipped_params = routed = buffer_elements = 0
-    dense_b = expert_b = embed_b = skipped_b = 0
+    dense_b = expert_b = embed_b = skipped_b = paged_b = 0
     dtypes: dict[str, int] = {}
     for t in tensors:
         if _skipped(t.name, layout):
@@ -88,6 +90,7 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
             expert_b += t.nbytes
         elif t.name in embedding_names:
             embed_b += t.nbytes
+            paged_b += t.nbytes if t.name in paged else 0
         else:
             dense_b += t.nbytes
     active = total
@@ -104,4 +107,4 @@ def take_inventory(geometry: Geometry, layout: TensorLayout | None, tensors: Ten
         bytes_per_expert = max([bytes_per_expert] + [sum(t.nbytes for t in ts) for ts in layer.values()])
         experts_per_layer = max(experts_per_layer, len(layer))
     return Inventory(total, active, skipped_params, buffer_elements, routed, dense_b, expert_b, embed_b, skipped_b,
-                     bytes_per_expert, experts_per_layer, len([g for g in groups.values() if g]), dtypes)
+                     bytes_per_expert, experts_per_layer, len([g for g in groups.values() if g]), dtypes, paged_b)

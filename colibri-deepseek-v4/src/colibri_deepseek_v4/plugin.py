@@ -256,7 +256,7 @@ def _layout_v4(cfg: Mapping[str, Any], r: dict[str, Any], present: frozenset[str
         embeddings=names(layout.embeddings), lm_head=layout.lm_head, norms=names(layout.norms),
         routers=tuple((i, name(n)) for i, n in layout.routers), experts=tuple(experts),
         required=names(layout.required), buffers=names(layout.buffers) + tuple(scales),
-        skipped_prefixes=names(layout.skipped_prefixes), packed_fp4=packed)
+        skipped_prefixes=names(layout.skipped_prefixes), packed_fp4=packed, paged=names(layout.paged))
 
 
 def _layout_v4_hf(cfg: Mapping[str, Any], r: dict[str, Any]) -> TensorLayout:

@@ -101,7 +101,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
     width = d["expert_width"]
     return TensorLayout(embeddings=embeddings, lm_head=None if tied else "lm_head.weight", norms=tuple(norms),
                         routers=tuple(routers), experts=tuple(experts), required=tuple(required), shapes=shapes,
-                        expert_shapes=((width, hidden), (width, hidden), (hidden, width)))
+                        expert_shapes=((width, hidden), (width, hidden), (hidden, width)),
+                        paged=() if tied else ("model.embed_tokens.weight",))
 
 
 

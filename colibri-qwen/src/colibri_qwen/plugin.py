@@ -167,7 +167,8 @@ def tensor_layout(model: ResolvedModel) -> TensorLayout:
         skipped += ("model.visual.", "visual.")
     return TensorLayout(embeddings=(embed,) if tied else (embed, "lm_head.weight"),
                         lm_head=None if tied else "lm_head.weight", norms=tuple(norms), routers=tuple(routers),
-                        experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped)
+                        experts=tuple(experts), required=tuple(required), skipped_prefixes=skipped,
+                        paged=() if tied else (embed,))
 
 
 

@@ -70,7 +70,8 @@ def info_data(facts: ModelFacts) -> dict[str, Any]:
                        "routed_experts": inv.routed_params, "skipped": inv.skipped_params,
                        "buffers": inv.buffer_elements},
         "bytes": {"dense": inv.dense_bytes, "routed_experts": inv.expert_bytes, "embeddings": inv.embedding_bytes,
-                  "skipped": inv.skipped_bytes, "per_expert": inv.bytes_per_expert,
+                  "paged_embeddings": inv.paged_bytes, "resident": inv.resident_bytes, "skipped": inv.skipped_bytes,
+                  "per_expert": inv.bytes_per_expert,
                   "total": inv.loaded_bytes + inv.skipped_bytes},
         "dtypes": dict(sorted(inv.dtypes.items())),
         "files": len(facts.tensors.headers),
@@ -111,6 +112,9 @@ def info_command(model: str | None = ModelOption, family: str | None = FamilyOpt
         rows.append(("skipped", f"{human_count(p['skipped'])} parameters never loaded ({human_bytes(b['skipped'])})"))
     rows += [("on disk", f"{human_bytes(b['total'])}: dense {human_bytes(b['dense'])}, routed experts "
                          f"{human_bytes(b['routed_experts'])}, embeddings {human_bytes(b['embeddings'])}"),
+             ("resident", f"{human_bytes(b['resident'])} held in RAM"
+                          + (f" (the input embedding's {human_bytes(b['paged_embeddings'])} is mapped and read by the "
+                             "row)" if b["paged_embeddings"] else "")),
              ("dtypes", ", ".join(f"{k} x{v}" for k, v in data["dtypes"].items())),
              ("files", f"{data['files']} shard(s), {data['tensors']} tensors")]
     if data["container"]:

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 /* ---- weights ---- */
 
@@ -31,6 +32,27 @@ int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int r
     if (!(l->w = cb_st_load(idx, t, err, errlen))) return -1;
     l->m = cb_matrix_float(l->w, t->dtype, rows, cols);
     if (bytes) *bytes += t->nbytes;
+    return 0;
+}
+
+int cb_map_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
+                  char *err, size_t errlen) {
+    memset(l, 0, sizeof *l);
+    l->m.rows = rows;
+    l->m.cols = cols;
+    int qrc = cb_qlinear_map(&l->w, &l->map, &l->map_len, &l->m.q, idx, name, rows, cols, bytes, err, errlen);
+    if (qrc <= 0) {
+        l->m.kind = CB_MAT_INT;
+        return qrc;
+    }
+    if (cb_fp8_companion(idx, name)) return cb_load_linear(l, idx, name, rows, cols, bytes, err, errlen);
+    int64_t dims[2] = {rows, cols};
+    const cb_tensor *t = cb_st_expect(idx, name, 2, dims, err, errlen);
+    if (!t) return -1;
+    const void *at;
+    if (t->offset % CB_MAP_ALIGN || cb_st_map(idx, t, &at, &l->map, &l->map_len, err, errlen))
+        return cb_load_linear(l, idx, name, rows, cols, bytes, err, errlen);
+    l->m = cb_matrix_float(at, t->dtype, rows, cols);
     return 0;
 }
 
@@ -66,9 +88,16 @@ int cb_load_f32(float **out, const cb_st_index *idx, const cb_tensor *t, size_t 
     return 0;
 }
 
+static void unmap(cb_linear *l) {
+    if (l->map) munmap(l->map, l->map_len);
+    l->map = NULL;
+    l->map_len = 0;
+}
+
 void cb_linear_free(cb_linear *l) {
     free(l->w);
     l->w = NULL;
+    unmap(l);
 }
 
 int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
@@ -81,6 +110,7 @@ int cb_linear_dequantize(cb_linear *l, char *err, size_t errlen) {
     }
     for (int r = 0; r < rows; r++) cb_matrix_row(w + (size_t)r * (size_t)cols, &l->m, r);
     free(l->w);
+    unmap(l);
     l->w = w;
     l->m = cb_matrix_float(w, CB_F32, rows, cols);
     return 0;

@@ -22,11 +22,13 @@
 
 /* A linear layer's weight [rows, cols] in its stored form (matrix.h: float, colibri-quant integer levels, fp8 with
  * block scales; m.kind says which, and cb_linear_apply / cb_embed dispatch on it). w owns the bytes m points into
- * (NULL for a borrowed matrix such as a tied LM head). Code that reads the elements directly must first call
+ * (NULL for a borrowed matrix such as a tied LM head; only the scales of a mapped one). Code that reads the elements directly must first call
  * cb_linear_dequantize and then reads m.f.w / m.f.dt. */
 typedef struct {
     void *w;
     cb_matrix m;
+    void *map;           /* cb_map_linear: the read-only file mapping m's rows live in (NULL when loaded) */
+    size_t map_len;
 } cb_linear;
 
 /* Load a [rows, cols] matrix (shape checked), adding its bytes to *bytes. Whatever the family, the stored form
@@ -37,6 +39,11 @@ typedef struct {
  * exactly what the float path computes on the dequantized f32 weights (e4m3 * scale, one f32 rounding). */
 int cb_load_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
                    char *err, size_t errlen);
+/* cb_load_linear for a matrix only ever read a row at a time (an untied input embedding: a token reads one row):
+ * its rows stay in the file, mapped read-only and paged in as cb_embed touches them, and only scales (held) add to
+ * *bytes. A matrix that cannot be mapped (fp8 block scales, misaligned in its file, mmap refused) is loaded. */
+int cb_map_linear(cb_linear *l, const cb_st_index *idx, const char *name, int rows, int cols, size_t *bytes,
+                  char *err, size_t errlen);
 /* Load a vector of n weights converted to f32 (norm weights, biases). */
 int cb_load_vector(float **out, const cb_st_index *idx, const char *name, int n, size_t *bytes, char *err,
                    size_t errlen);

@@ -344,8 +344,12 @@ static int load_all(void *m, const cb_recipe *r, const cb_load_args *a, cb_model
     const char *embed = r->embed_name ? r->embed_name : "model.embed_tokens.weight";
     pick_layout(d, embed);
     char name[NAME_LEN];
-    if (cb_load_linear(&d->embed, &d->idx, cb_decoder_name(d, name, sizeof name, embed, 0), d->vocab, d->hidden,
-                       &d->dense_bytes, err, errlen) ||
+    /* Untied, the embedding is only gathered a row a token, so it stays in the file (mapped, paged in by the row,
+     * as llama.cpp's mmap gives it) and its RAM goes to the expert cache; tied, the LM head reads every row. */
+    int (*embedding)(cb_linear *, const cb_st_index *, const char *, int, int, size_t *, char *, size_t) =
+        d->tied || d->head_rows ? cb_load_linear : cb_map_linear;
+    if (embedding(&d->embed, &d->idx, cb_decoder_name(d, name, sizeof name, embed, 0), d->vocab, d->hidden,
+                  &d->dense_bytes, err, errlen) ||
         load_norm(&d->final_norm, d, r->norm_name ? r->norm_name : "model.norm.weight", 0, err, errlen) ||
         (r->model_tensors && cb_load_tensors(m, m, r->model_tensors, 0, &d->idx, &d->dense_bytes, err, errlen)))
         return -1;

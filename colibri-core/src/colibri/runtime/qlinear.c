@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "kernels.h"
 
@@ -107,6 +108,41 @@ int cb_qlinear_load(void **buf, cb_qmatrix *q, const cb_st_index *idx, const cha
         return -1;
     }
     return 0;
+}
+
+int cb_qlinear_map(void **buf, void **map, size_t *map_len, cb_qmatrix *q, const cb_st_index *idx, const char *name,
+                   int rows, int cols, size_t *bytes, char *err, size_t errlen) {
+    *map = NULL;
+    *map_len = 0;
+    const cb_qcontainer *qc;
+    if (cb_qc_of(idx, &qc, err, errlen)) return -1;
+    const cb_qc_entry *e = qc ? cb_qc_find(qc, name) : NULL;
+    if (!e || !is_quantized(e)) return 1;
+    if (check_parts(e, rows, cols, err, errlen)) return -1;
+    const void *levels;
+    if (e->qweight->offset % CB_MAP_ALIGN || cb_st_map(idx, e->qweight, &levels, map, map_len, err, errlen))
+        return cb_qlinear_load(buf, q, idx, name, rows, cols, bytes, err, errlen);
+    size_t sbytes = (size_t)e->scales->nbytes;
+    char *scales = aligned_alloc(64, (sbytes + 63) / 64 * 64 + 64);
+    if (!scales) {
+        snprintf(err, errlen, "out of memory loading %s", name);
+        goto fail;
+    }
+    if (cb_st_pread(idx, e->scales->shard, scales, sbytes, e->scales->offset, err, errlen)) goto fail;
+    if (cb_qc_matrix(e, levels, scales, q)) {
+        snprintf(err, errlen, "tensor %s: %s [%d, %d] is not usable by the integer kernels", name, kind_name(e->kind),
+                 rows, cols);
+        goto fail;
+    }
+    *buf = scales;
+    if (bytes) *bytes += sbytes;
+    return 0;
+fail:
+    free(scales);
+    munmap(*map, *map_len);
+    *map = NULL;
+    *map_len = 0;
+    return -1;
 }
 
 /* ---- activation scratch ---- */

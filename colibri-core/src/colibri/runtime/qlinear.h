@@ -28,6 +28,11 @@ void cb_qc_release(cb_st_index *idx);
  * quantized (the caller loads it as float), -1 with a message naming the tensor. */
 int cb_qlinear_load(void **buf, cb_qmatrix *q, const cb_st_index *idx, const char *name, int rows, int cols,
                     size_t *bytes, char *err, size_t errlen);
+/* cb_qlinear_load for a matrix read a row at a time: the levels stay in the file, mapped read-only (*map, *map_len
+ * to munmap), and only the scales are read into *buf. Where the levels cannot be mapped (misaligned in the file,
+ * mmap refused) it loads them as cb_qlinear_load does and leaves *map NULL. Same returns. */
+int cb_qlinear_map(void **buf, void **map, size_t *map_len, cb_qmatrix *q, const cb_st_index *idx, const char *name,
+                   int rows, int cols, size_t *bytes, char *err, size_t errlen);
 /* Y[i] = W X[i] for n rows through the integer kernels (activations quantized once per row). Returns 0, or -1
  * when scratch cannot be allocated (Y is then filled with NaN so the failure cannot pass as a result). */
 int cb_qlinear_apply(const cb_qmatrix *q, float *Y, const float *X, int n);

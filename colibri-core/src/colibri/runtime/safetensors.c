@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -478,6 +479,26 @@ int cb_st_pread(const cb_st_index *idx, int shard, void *dst, uint64_t n, uint64
         n -= (uint64_t)r;
         offset += (uint64_t)r;
     }
+    return 0;
+}
+
+int cb_st_map(const cb_st_index *idx, const cb_tensor *t, const void **at, void **base, size_t *len, char *err,
+              size_t errlen) {
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || t->nbytes == 0) {
+        snprintf(err, errlen, "%s: cannot be mapped", t->name);
+        return -1;
+    }
+    uint64_t first = t->offset / (uint64_t)page * (uint64_t)page;
+    size_t n = (size_t)(t->offset - first + t->nbytes);
+    void *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE, idx->fds[t->shard], (off_t)first);
+    if (m == MAP_FAILED) {
+        snprintf(err, errlen, "%s: mmap of %s failed: %s", t->name, idx->shard_paths[t->shard], strerror(errno));
+        return -1;
+    }
+    *base = m;
+    *len = n;
+    *at = (const char *)m + (t->offset - first);
     return 0;
 }
 

@@ -58,6 +58,16 @@ const cb_tensor *cb_st_expect(const cb_st_index *idx, const char *name, int ndim
 int cb_st_pread(const cb_st_index *idx, int shard, void *dst, uint64_t n, uint64_t offset, char *err,
                 size_t errlen);
 
+/* Mapped tensor data must start this aligned in its file (safetensors pads its header to 8), as the row readers
+ * take 2- and 4-byte elements by pointer: a misaligned tensor is loaded (into an aligned buffer) instead. */
+#define CB_MAP_ALIGN 8u
+/* Map tensor t read-only instead of reading it: *at points at its first byte, and the mapping the caller must
+ * munmap is (*base, *len). Pages come in from the file (or the page cache) as they are touched and the kernel may
+ * drop them again under memory pressure, so a tensor read a row at a time (an untied input embedding) costs the
+ * rows used, not the tensor. 0, or -1 with a message; callers fall back to cb_st_load. */
+int cb_st_map(const cb_st_index *idx, const cb_tensor *t, const void **at, void **base, size_t *len, char *err,
+              size_t errlen);
+
 /* Allocate a 64-byte aligned buffer and read the whole tensor into it. NULL with a message on failure. */
 void *cb_st_load(const cb_st_index *idx, const cb_tensor *t, char *err, size_t errlen);
 
