@@ -91,13 +91,22 @@ static int check_parts(const cb_qc_entry *e, int rows, int cols, char *err, size
     return 0;
 }
 
-int cb_qlinear_load(void **buf, cb_qmatrix *q, const cb_st_index *idx, const char *name, int rows, int cols,
-                    size_t *bytes, char *err, size_t errlen) {
+/* The container's quantized entry for `name`, its parts checked against [rows, cols]: 0 with *out set, 1 when the
+ * tensor is not quantized (or the checkpoint is native), -1 with a message. */
+static int quantized_entry(const cb_st_index *idx, const char *name, int rows, int cols, const cb_qc_entry **out,
+                           char *err, size_t errlen) {
     const cb_qcontainer *qc;
     if (cb_qc_of(idx, &qc, err, errlen)) return -1;
-    const cb_qc_entry *e = qc ? cb_qc_find(qc, name) : NULL;
-    if (!e || !is_quantized(e)) return 1;
-    if (check_parts(e, rows, cols, err, errlen)) return -1;
+    *out = qc ? cb_qc_find(qc, name) : NULL;
+    if (!*out || !is_quantized(*out)) return 1;
+    return check_parts(*out, rows, cols, err, errlen);
+}
+
+int cb_qlinear_load(void **buf, cb_qmatrix *q, const cb_st_index *idx, const char *name, int rows, int cols,
+                    size_t *bytes, char *err, size_t errlen) {
+    const cb_qc_entry *e;
+    int found = quantized_entry(idx, name, rows, cols, &e, err, errlen);
+    if (found) return found;
     const void *scales;
     if (cb_scaled_read(buf, &scales, idx, e->qweight, e->scales, name, bytes, err, errlen)) return -1;
     if (cb_qc_matrix(e, *buf, scales, q)) {
@@ -114,11 +123,9 @@ int cb_qlinear_map(void **buf, void **map, size_t *map_len, cb_qmatrix *q, const
                    int rows, int cols, size_t *bytes, char *err, size_t errlen) {
     *map = NULL;
     *map_len = 0;
-    const cb_qcontainer *qc;
-    if (cb_qc_of(idx, &qc, err, errlen)) return -1;
-    const cb_qc_entry *e = qc ? cb_qc_find(qc, name) : NULL;
-    if (!e || !is_quantized(e)) return 1;
-    if (check_parts(e, rows, cols, err, errlen)) return -1;
+    const cb_qc_entry *e;
+    int found = quantized_entry(idx, name, rows, cols, &e, err, errlen);
+    if (found) return found;
     const void *levels;
     if (e->qweight->offset % CB_MAP_ALIGN || cb_st_map(idx, e->qweight, &levels, map, map_len, err, errlen))
         return cb_qlinear_load(buf, q, idx, name, rows, cols, bytes, err, errlen);
