@@ -373,6 +373,36 @@ static void test_experts(void) {
             CHECK(L.slot_of[0] >= 0 && L.slot_of[2] >= 0 && (hot || L.slot_of[1] < 0), "residents");
             cb_experts_free(&L);
         }
+        /* A pass's routing counts its rows (cb_experts_note_routing): after a prefill chunk where 40 rows chose 0
+         * and the last one chose 1, served 0 then 1, expert 2 evicts 1 under the hot set (0 is far hotter, though
+         * less recent), and 0 under LRU. Counted once per pass the two would tie, and recency would drop 0. */
+        for (int hot = 0; hot < 2; hot++) {
+            cb_stream_opts o = cb_stream_defaults();
+            o.pin = hot;
+            cb_experts_configure(&o);
+            CHECK(cb_experts_init(&L, &idx, 0, NEXP, 2, HID, INTER, names, err, sizeof err) == 0, "%s", err);
+            int chunk[42] = {0}, next = 2;
+            chunk[40] = 1, chunk[41] = -1;   /* -1: a choice a row did not make (trimmed), skipped */
+            cb_experts_note_routing(&L, chunk, 42);
+            CHECK(cb_experts_serve(&L, 0, &v, err, sizeof err) == 0 && cb_experts_serve(&L, 1, &v, err, sizeof err) == 0,
+                  "%s", err);
+            cb_experts_note_routing(&L, &next, 1);
+            CHECK(cb_experts_serve(&L, 2, &v, err, sizeof err) == 0, "%s", err);
+            CHECK(hot ? L.slot_of[0] >= 0 && L.slot_of[1] < 0 : L.slot_of[0] < 0 && L.slot_of[1] >= 0,
+                  "%s after a 40-row and a 1-row expert: 0 %s, 1 %s", hot ? "hot set" : "LRU",
+                  L.slot_of[0] >= 0 ? "kept" : "evicted", L.slot_of[1] >= 0 ? "kept" : "evicted");
+            CHECK(L.route_count[0] == 40 && L.route_count[1] == 1 && L.uses[0] == 1 && L.uses[1] == 1,
+                  "route counts are rows, uses are accesses: %u %u %llu %llu", L.route_count[0], L.route_count[1],
+                  (unsigned long long)L.uses[0], (unsigned long long)L.uses[1]);
+            if (hot) {   /* a long pass (a prefill chunk of thousands of rows) keeps the heat finite */
+                static int many[200000];
+                for (int j = 0; j < 200000; j++) many[j] = 3;
+                cb_experts_note_routing(&L, many, 200000);
+                CHECK(isfinite(L.heat_unit) && L.heat_unit > 0 && isfinite(L.heat[3]) && L.heat[3] > L.heat[0],
+                      "heat after a long pass: unit %g, heat %g vs %g", L.heat_unit, L.heat[3], L.heat[0]);
+            }
+            cb_experts_free(&L);
+        }
         cb_stream_opts defaults = cb_stream_defaults();
         cb_experts_configure(&defaults);
         /* cap 0 keeps every expert once read. */

@@ -665,7 +665,7 @@ int cb_expert_apply(const cb_expert_view *ex, float *down, float *xs, float *gat
 static int run_expert(cb_moe *m, int e, const float *x, int rows, char *err, size_t errlen) {
     int H = m->hidden;
     cb_expert_view ex;
-    if (cb_experts_get(&m->store, e, &ex, err, errlen)) return -1;
+    if (cb_experts_serve(&m->store, e, &ex, err, errlen)) return -1;
     double t0 = cb_now_s();
     if (cb_expert_apply(&ex, m->down, m->xs, m->gate, m->up, x, m->rows, rows, H, m->inter, m->swiglu_limit, err,
                         errlen))
@@ -725,6 +725,7 @@ int cb_moe_experts_forward(cb_moe *m, float *out, const float *x, int n, char *e
     memset(m->n_rows, 0, (size_t)E * sizeof(int));
     for (size_t j = 0; j < (size_t)n * (size_t)K; j++)
         if (m->chosen[j] >= 0) m->n_rows[m->chosen[j]]++;
+    cb_experts_note_routing(&m->store, m->chosen, n * K);
     if (n == 1) score_prediction(m);
     if (!cb_experts_options()->moe_union) {
         /* One row at a time, each expert by matvec: what batching must reproduce bit for bit. */

@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HEAT_DECAY 0.98           /* per access of the layer; see experts.h (measured best of 0.97-0.985) */
+#define HEAT_DECAY 0.98           /* per routed row of the layer; see experts.h (measured best of 0.97-0.985) */
 #define HEAT_RESCALE 1e100        /* heat_unit beyond this: divide every heat and the unit by it */
 #define PIN_MARGIN 1.25           /* an outsider replaces the coldest pinned expert only when this much hotter */
 
@@ -28,7 +28,7 @@ int cb_experts_pinned_total(void) {
     return n;
 }
 
-/* One more access of e: its heat grows by the current unit, and the unit grows so that every earlier access
+/* One more routed row of e: its heat grows by the current unit, and the unit grows so that every earlier row
  * weighs HEAT_DECAY times less than this one. */
 void cbx_warm_up(cb_expert_layer *L, int e) {
     L->heat[e] += L->heat_unit;

@@ -466,8 +466,8 @@ int cb_remote_recv(cb_expert_layer *L, int *n_rows, float *y) {
         for (int p = 0; p < w->n_pairs; p++)
             memcpy(y + (size_t)w->pairs[p] * (size_t)H, w->msg.p + (size_t)p * (size_t)H * sizeof(float),
                    (size_t)H * sizeof(float));
-        for (int k = 0; k < w->n_exp; k++)
-            for (int c = 0; c < w->cnt[k]; c++) cb_experts_note_use(L, w->exp[k]);
+        /* their routing was counted with the layer's (cb_experts_note_routing); the stats count each row */
+        for (int k = 0; k < w->n_exp; k++) L->uses[w->exp[k]] += (uint64_t)w->cnt[k];
     }
     return redo;
 }

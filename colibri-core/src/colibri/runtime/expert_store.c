@@ -245,19 +245,32 @@ static void expert_view(const cb_expert_layer *L, int e, const char *base, cb_ex
     }
 }
 
-void cb_experts_note_use(cb_expert_layer *L, int e) {
-    L->route_count[e]++;
-    L->uses[e]++;
-    trace_access(L, e);
-    if (cb_experts_options()->pin) cbx_warm_up(L, e);
+void cb_experts_note_routing(cb_expert_layer *L, const int *chosen, int n) {
+    int heat = cb_experts_options()->pin != CB_PIN_OFF;
+    for (int j = 0; j < n; j++) {
+        int e = chosen[j];
+        if (e < 0 || e >= L->n_experts) continue;
+        L->route_count[e]++;
+        if (heat) cbx_warm_up(L, e);
+    }
+}
+
+static int in_range(const cb_expert_layer *L, int e, char *err, size_t errlen) {
+    if (e >= 0 && e < L->n_experts) return 1;
+    snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
+    return 0;
 }
 
 int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
-    if (e < 0 || e >= L->n_experts) {
-        snprintf(err, errlen, "layer %d: expert %d out of range", L->layer, e);
-        return -1;
-    }
-    cb_experts_note_use(L, e);
+    if (!in_range(L, e, err, errlen)) return -1;
+    cb_experts_note_routing(L, &e, 1);
+    return cb_experts_serve(L, e, view, err, errlen);
+}
+
+int cb_experts_serve(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen) {
+    if (!in_range(L, e, err, errlen)) return -1;
+    L->uses[e]++;
+    trace_access(L, e);
     uint64_t now = ++L->tick;
     if (L->duel.keep) cbx_duel_observe(L, e, now);
     int s = L->slot_of[e];

@@ -15,9 +15,9 @@
  * lookahead predictions, each class in file-offset order); reads use O_DIRECT where the filesystem allows
  * (probed per shard) or buffered reads with POSIX_FADV_RANDOM; a learned hot set (see below) replaces LRU.
  *
- * The hot set (the pin option): each expert has a heat, its routing count decayed by HEAT_DECAY at every access
- * of its layer (half-life ~34 accesses: about 4 tokens at top-8, 17 at top-2), seeded at start from the counts
- * a sidecar next to the model kept from earlier runs. Every repin_every tokens the hottest experts are pinned
+ * The hot set (the pin option): each expert has a heat, its routing count (rows routed to it) decayed by
+ * HEAT_DECAY at every routed row of its layer (half-life ~34 rows: about 4 tokens at top-8, 17 at top-2), seeded
+ * at start from the counts a sidecar next to the model kept from earlier runs. Every repin_every tokens the hottest experts are pinned
  * into half the slots (with hysteresis), and a miss evicts the coldest unpinned resident, least recently used
  * among equals. Recency alone (LRU) forgets an expert routed every other token as soon as a few one-off experts
  * pass; long-run counts alone keep experts the current text no longer routes to. The decayed count weighs both;
@@ -148,7 +148,7 @@ typedef struct {
     uint32_t *route_count;     /* expert -> times routed to (what the sidecar keeps across runs) */
     uint64_t *uses;            /* expert -> accesses in this process alone (the stats op's use counts) */
     double *heat;              /* expert -> decayed routing count, in units of heat_unit (hot set only) */
-    double heat_unit;          /* what one access adds now: grows by 1/HEAT_DECAY per access, so older ones weigh
+    double heat_unit;          /* what one routed row adds now: grows by 1/HEAT_DECAY per row, so older ones weigh
                                 * less without touching every expert (rescaled before it overflows) */
     unsigned char *pinned;     /* expert -> 1 when pinned (its slot is never the victim) */
     int pin_budget;            /* how many experts may be pinned: half the slots when the cache is partial */
@@ -164,14 +164,20 @@ int cb_experts_init(cb_expert_layer *L, const cb_st_index *idx, int layer, int n
                     int inter, const char *const names[3], char *err, size_t errlen);
 void cb_experts_free(cb_expert_layer *L);
 
-/* Make expert e resident (reading it on a miss, evicting the LRU slot, the coldest with the hot set, or by the
- * leading shadow's rule when dueling) and return its matrices. The view stays valid until the next cb_experts_get
- * on this layer. */
-int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
+/* Count one forward pass's routing of this layer: chosen[0..n) the experts its rows chose, row by row (-1: none),
+ * into the route count the sidecar keeps and the heat, one routed row at a time as if the pass's tokens had come
+ * one by one. A prefill chunk where 40 rows chose e and 2 chose f so leaves e far hotter, where counting each
+ * expert once per pass left them equal and the prompt's routing taught the hot set nothing. A MoE block calls it
+ * once per pass, before cb_experts_serve; the experts an expert worker computes are counted here too. */
+void cb_experts_note_routing(cb_expert_layer *L, const int *chosen, int n);
 
-/* Count one routing of expert e (route count, uses, heat) without making it resident: cb_experts_get does it for
- * the experts it serves, the remote path (expert_remote.h) for those an expert worker computes. */
-void cb_experts_note_use(cb_expert_layer *L, int e);
+/* Make expert e resident (reading it on a miss, evicting the LRU slot, the coldest with the hot set, or by the
+ * leading shadow's rule when dueling) and return its matrices; its routing was counted by
+ * cb_experts_note_routing. The view stays valid until the next cb_experts_serve on this layer. */
+int cb_experts_serve(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
+
+/* One routing of e counted and served: cb_experts_note_routing of a single row, then cb_experts_serve. */
+int cb_experts_get(cb_expert_layer *L, int e, cb_expert_view *view, char *err, size_t errlen);
 
 /* Queue a read of expert e into a staging buffer of the I/O pool, so it overlaps compute. A no-op when e is
  * resident or already staged, or unless prefetching is on (the prefetch option, or COLIBRI_PREFETCH=1). The

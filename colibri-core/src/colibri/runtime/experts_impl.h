@@ -51,7 +51,7 @@ void cbx_count_read(cb_expert_layer *L, int e);
 int cbx_take_staged(cb_expert_layer *L, int e, int s, char *err, size_t errlen);
 
 /* ---- expert_hotset.c ---- */
-/* One more access of e: its heat grows (hot set only). */
+/* One more routed row of e: its heat grows (hot set only). */
 void cbx_warm_up(cb_expert_layer *L, int e);
 
 /* ---- expert_duel.c ---- */
